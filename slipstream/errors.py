@@ -1,0 +1,13 @@
+"""Errors a user can act on: the CLI prints them as one line and exits with code 2."""
+
+
+class SlipstreamError(Exception):
+    """A problem with the user's input (model file, prompt, parameters), not a bug."""
+
+
+class ModelLoadError(SlipstreamError):
+    pass
+
+
+class PromptTooLongError(SlipstreamError):
+    pass

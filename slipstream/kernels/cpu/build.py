@@ -1,0 +1,71 @@
+"""Compile and load the C kernels in this folder (cached by source, compiler and CPU)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
+
+SOURCES = ["quant_matvec.c"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
+    return Path(root) / "kernels"
+
+
+@lru_cache(maxsize=None)
+def load_library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when no C compiler is available."""
+    if os.environ.get("SLIPSTREAM_NO_NATIVE"):
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    here = Path(__file__).parent
+    src = [here / s for s in SOURCES]
+    key = hashlib.sha256()
+    for p in src:
+        key.update(p.read_bytes())
+    key.update(" ".join([cc, *FLAGS, _cpu_id()]).encode())
+    out = cache_dir() / f"slipstream_cpu_{key.hexdigest()[:16]}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            res = subprocess.run([cc, *FLAGS, *map(str, src), "-o", str(tmp_out), "-lm"],
+                                 capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"compiling CPU kernels failed:\n{res.stderr[-2000:]}")
+            os.replace(tmp_out, out)  # atomic: concurrent processes never see a half-written file
+    lib = ctypes.CDLL(str(out))
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.q4_matvec.argtypes = [vp, i32, i32, vp, vp, vp, i32, vp, i32]
+    lib.q4_matvec.restype = None
+    lib.q8_matvec.argtypes = [vp, i32, i32, vp, vp, vp, i32, i32, vp, i32]
+    lib.q8_matvec.restype = None
+    return lib
+
+
+def native_available() -> bool:
+    try:
+        return load_library() is not None
+    except RuntimeError:
+        return False

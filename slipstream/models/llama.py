@@ -1,0 +1,164 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in plain torch over a paged KV cache.
+
+One forward call runs a *step*: the new tokens of one or more sequences, flattened into a single
+[T] batch (a whole prompt for prefill, one token per sequence for decode). Dense work (norms,
+projections, MLP) runs on the whole batch; attention runs per sequence against its cache slots.
+Weights are `Linear`s, packed or dense, with Q/K/V and gate/up fused into one product each.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.config import ModelConfig
+from slipstream.errors import ModelLoadError
+from slipstream.kv.blocks import PagedKVCache
+from slipstream.weights.quant import Linear, concat_rows
+
+
+@dataclass
+class SeqSlice:
+    """Where one sequence's new tokens sit in the step, and where its cache is."""
+    start: int                               # first row of this sequence in the step batch
+    length: int                              # number of new tokens
+    context: int                             # tokens in cache after this step (incl. new ones)
+    read: tuple[int, int] | torch.Tensor     # contiguous slot range or gathered slot ids [context]
+
+
+@dataclass
+class StepInput:
+    token_ids: torch.Tensor        # [T] long
+    positions: torch.Tensor        # [T] long
+    write_slots: torch.Tensor      # [T] long: cache slot of each new token
+    seqs: list[SeqSlice]
+    logits_rows: torch.Tensor      # rows whose logits are wanted (last token of each sequence)
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if freq_factors is not None:
+        return inv / freq_factors
+    rs = cfg.rope_scaling
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        lo, hi = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, scaled)
+    if kind == "default":
+        return inv
+    raise ModelLoadError(f"unsupported rope scaling {kind!r} for the Llama family")
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Any]):
+        self.cfg = cfg
+        self.embed: Linear = weights["embed"]
+        self.lm_head: Linear = weights["lm_head"]
+        self.norm: torch.Tensor = weights["norm"]
+        self.layers = []
+        for i in range(cfg.num_layers):
+            w = weights[f"layers.{i}"]
+            self.layers.append({
+                "attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"],
+                "qkv": concat_rows([w["q"], w["k"], w["v"]]),
+                "o": w["o"],
+                "gate_up": concat_rows([w["gate"], w["up"]]),
+                "down": w["down"],
+                "q_norm": w.get("q_norm"), "k_norm": w.get("k_norm"),
+            })
+        self.inv_freq = rope_inv_freq(cfg, weights.get("rope_freqs"))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step (embedding rows aside)."""
+        per_layer = sum(l[k].nbytes for l in self.layers for k in ("qkv", "o", "gate_up", "down"))
+        return per_layer + self.lm_head.nbytes
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        c = self.cfg
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
+                   s: SeqSlice) -> torch.Tensor:
+        """q [len, H, D] against the sequence's cached keys -> [len, H, D]."""
+        if isinstance(s.read, tuple):
+            k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
+        else:
+            k, v = layer_k.index_select(0, s.read), layer_v.index_select(0, s.read)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
+        causal = False
+        if s.length > 1:
+            if s.length == s.context:
+                causal = True
+            else:  # chunk after cached tokens: query i sees keys up to context - length + i
+                i = torch.arange(s.length)[:, None]
+                j = torch.arange(s.context)[None, :]
+                mask = j <= (s.context - s.length + i)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=kh.shape[0] != qh.shape[0])
+        return out.transpose(0, 1)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, kv: PagedKVCache) -> torch.Tensor:
+        c = self.cfg
+        T = step.token_ids.shape[0]
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        qd, kd = H * D, KVH * D
+        eps = c.rms_norm_eps
+        x = self.embed.dequantize(step.token_ids)
+        cos, sin = self._rope_tables(step.positions)
+        for li, L in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), L["attn_norm"], eps)
+            qkv = L["qkv"](h)
+            q = qkv[:, :qd].view(T, H, D)
+            k = qkv[:, qd:qd + kd].view(T, KVH, D)
+            v = qkv[:, qd + kd:].view(T, KVH, D)
+            if L["q_norm"] is not None:
+                q = F.rms_norm(q, (D,), L["q_norm"], eps)
+                k = F.rms_norm(k, (D,), L["k_norm"], eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            lk, lv = kv.k[li], kv.v[li]
+            lk.index_copy_(0, step.write_slots, k)
+            lv.index_copy_(0, step.write_slots, v)
+            if len(step.seqs) == 1:
+                attn = self._attention(q, lk, lv, step.seqs[0])
+            else:
+                attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s)
+                                  for s in step.seqs])
+            L["o"](attn.reshape(T, qd), out=x, accumulate=True)
+            h = F.rms_norm(x, (c.hidden_size,), L["ffn_norm"], eps)
+            gu = L["gate_up"](h)
+            f = c.intermediate_size
+            act = F.silu(gu[:, :f]) * gu[:, f:]
+            L["down"](act, out=x, accumulate=True)
+        last = x.index_select(0, step.logits_rows)
+        last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
+        return self.lm_head(last)

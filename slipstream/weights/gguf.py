@@ -1,0 +1,196 @@
+"""GGUF checkpoints: config from metadata, tensors kept packed where the kernels can use them."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipstream.config import ModelConfig
+from slipstream.errors import ModelLoadError
+from slipstream.weights.quant import Linear
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+except ImportError as e:  # pragma: no cover - gguf is a hard dependency of the package
+    raise ImportError("reading GGUF files needs the `gguf` package") from e
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+PACKED_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K}
+# formats we read by dequantizing to float32 at load (correct, but not packed in memory)
+DENSE_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K}
+
+
+def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from e
+
+
+def metadata(reader: "gguf.GGUFReader") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
+            continue  # large arrays: the tokenizer reads them itself
+        try:
+            out[key] = f.contents()
+        except Exception:  # fields of exotic types that we never need
+            continue
+    return out
+
+
+def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
+    md = metadata(reader)
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    a = lambda k, d=None: md.get(f"{arch}.{k}", d)  # noqa: E731
+    hidden = int(a("embedding_length"))
+    heads = int(a("attention.head_count"))
+    kv = a("attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        kv = kv[0]
+    vocab = a("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if a("rope.scaling.type") in ("linear", "yarn"):
+        scaling = {"rope_type": a("rope.scaling.type"), "factor": float(a("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": a("rope.scaling.original_context_length")}
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        num_layers=int(a("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv),
+        head_dim=int(a("attention.key_length", hidden // heads)),
+        intermediate_size=int(a("feed_forward_length")),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(a("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes per value (last axis) -> float32, exactly as ggml widens its fp16 scales."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 scale bytes of a Q4_K super-block -> 8 six-bit scales and 8 six-bit mins."""
+    sc = sc.astype(np.uint8)
+    scales = np.empty(sc.shape[:-1] + (8,), np.uint8)
+    mins = np.empty_like(scales)
+    scales[..., :4] = sc[..., 0:4] & 63
+    mins[..., :4] = sc[..., 4:8] & 63
+    scales[..., 4:] = (sc[..., 8:12] & 0xF) | ((sc[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return scales, mins
+
+
+def _linear_from_tensor(t: Any) -> Linear:
+    qt = QT(t.tensor_type)
+    k = int(t.shape[0])
+    n = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+    raw = np.asarray(t.data)
+    if qt in (QT.Q4_0, QT.Q4_1):
+        bsz = 18 if qt == QT.Q4_0 else 20
+        blocks = raw.reshape(n, k // 32, bsz)
+        d = _f16(blocks[..., 0:2])
+        m = -8.0 * d if qt == QT.Q4_0 else _f16(blocks[..., 2:4])
+        packed = blocks[..., bsz - 16:].reshape(n, k // 2)  # ggml's nibble order is the kernel's
+        return Linear("q4", n, k, torch.from_numpy(np.ascontiguousarray(packed)),
+                      torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m)))
+    if qt == QT.Q8_0:
+        blocks = raw.reshape(n, k // 32, 34)
+        d = _f16(blocks[..., 0:2])
+        codes = blocks[..., 2:].view(np.int8).reshape(n, k)
+        return Linear.q8(codes, d)
+    if qt == QT.Q4_K:
+        blocks = raw.reshape(n, k // 256, 144)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _q4k_scales(blocks[..., 4:16])
+        qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
+        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)  # 64-element chunks: low then high
+        scale = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
+        minv = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, k // 32)
+        return Linear.q4(codes, scale, minv)
+    return Linear.dense(torch.from_numpy(_dense(t).reshape(n, k)))
+
+
+def _dense(t: Any) -> np.ndarray:
+    qt = QT(t.tensor_type)
+    if qt == QT.F32:
+        return np.asarray(t.data, dtype=np.float32)
+    return gguf.quants.dequantize(np.asarray(t.data), qt).astype(np.float32)
+
+
+def _unpermute(w: Linear, n_head: int) -> Linear:
+    """Undo llama.cpp's Q/K row permutation (its rotary pairs are interleaved; ours are halves)."""
+    hd = w.n // n_head
+    perm = torch.arange(w.n).view(n_head, 2, hd // 2).transpose(1, 2).reshape(-1)
+    # converted row r came from original row perm[r]; invert to get original order
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(w.n)
+    return w.select_rows(inv)
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gguf.GGUFReader"]:
+    """Config and weights of a GGUF model; weights keyed by our own names (see models/llama.py)."""
+    reader = open_gguf(path)
+    cfg = config_from_gguf(reader, str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        qt = QT(t.tensor_type)
+        if qt not in PACKED_TYPES and qt not in DENSE_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quant type {qt.name} "
+                                 f"(supported: {', '.join(sorted(x.name for x in PACKED_TYPES | DENSE_TYPES))})")
+
+    def vec(name: str) -> torch.Tensor:
+        return torch.from_numpy(_dense(tensors[name]).reshape(-1).copy())
+
+    def lin(name: str, unpermute_heads: int = 0) -> Linear:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name} missing")
+        w = _linear_from_tensor(tensors[name])
+        bias = name.replace(".weight", ".bias")
+        if bias in tensors:
+            w.bias = vec(bias)
+        if unpermute_heads and cfg.architecture == "llama":
+            w = _unpermute(w, unpermute_heads)
+        return w
+
+    weights: dict[str, Any] = {"embed": lin("token_embd.weight"), "norm": vec("output_norm.weight")}
+    weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else lin("output.weight")
+    if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors
+        weights["rope_freqs"] = vec("rope_freqs.weight")
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        layer = {
+            "attn_norm": vec(p + "attn_norm.weight"),
+            "ffn_norm": vec(p + "ffn_norm.weight"),
+            "q": lin(p + "attn_q.weight", cfg.num_heads),
+            "k": lin(p + "attn_k.weight", cfg.num_kv_heads),
+            "v": lin(p + "attn_v.weight"),
+            "o": lin(p + "attn_output.weight"),
+            "gate": lin(p + "ffn_gate.weight"),
+            "up": lin(p + "ffn_up.weight"),
+            "down": lin(p + "ffn_down.weight"),
+        }
+        if cfg.qk_norm:
+            layer["q_norm"] = vec(p + "attn_q_norm.weight")
+            layer["k_norm"] = vec(p + "attn_k_norm.weight")
+        weights[f"layers.{i}"] = layer
+    return cfg, weights, reader
