@@ -137,7 +137,7 @@ class Tokenizer:
         self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
         self.bos_token_id = self.token_to_id(bos_token)
         eos_id = self.token_to_id(eos_token)
-        # add_*_token None means "let tokenizer.json's post-processor decide" (HF folders only).
+        # add_*_token None means "tokenizer.json's post-processor decides" (HF folders only).
         self._use_post_processor = add_bos_token is None and add_eos_token is None
         self._add_bos = bool(add_bos_token) and self.bos_token_id is not None
         self._add_eos = bool(add_eos_token) and eos_id is not None
@@ -159,6 +159,10 @@ class Tokenizer:
             self.chat_templates.setdefault("default", chat_template)
         self.chat_template = self.chat_templates.get("default", chat_template)
         self._compiled_templates: dict[str, Any] = {}
+        # SentencePiece always writes one "▁" in front of the text, even when it already starts
+        # with a space; tokenizers' Metaspace skips it then (" hi" -> "▁hi", losing the space).
+        # Set for GGUF llama vocabularies with add_space_prefix; see `encode`.
+        self._dummy_prefix_for_leading_space = False
 
     # ---------------------------------------------------------------- construction: GGUF
     @classmethod
@@ -183,6 +187,7 @@ class Tokenizer:
         types: list[int] = list(get("token_type") or [_NORMAL] * len(tokens))
         pre = get("pre")
 
+        add_space_prefix = False
         if kind == "gpt2":
             backend, vocab_tokens = _byte_level_bpe(tokens, types, get("merges"), pre)
             default_add_bos = pre in _LLAMA3_FAMILY
@@ -203,10 +208,9 @@ class Tokenizer:
         # Control tokens are matched whole and dropped by skip_special_tokens; user-defined ones
         # (like <think>) are matched whole but are ordinary text when decoding. The tokens the file
         # names (bos/eos/unk/pad) are special whatever their type, as in transformers.
-        special = [
-            t for t, ty in zip(vocab_tokens, types) if ty in (_CONTROL, _UNKNOWN) or t in named.values()
-        ]
-        user = [t for t, ty in zip(vocab_tokens, types) if ty == _USER_DEFINED and t not in special]
+        named_tokens = {t for t in named.values() if t}
+        special = [t for t, ty in zip(vocab_tokens, types) if t and (ty in (_CONTROL, _UNKNOWN) or t in named_tokens)]
+        user = [t for t, ty in zip(vocab_tokens, types) if t and ty == _USER_DEFINED and t not in named_tokens]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(special)])
         if user:
             backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in dict.fromkeys(user)])
@@ -217,7 +221,7 @@ class Tokenizer:
             if k.startswith("tokenizer.chat_template.") and isinstance(v, str)
         }
         extra_eos = [int(get(k)) for k in ("eot_token_id", "eom_token_id") if get(k) is not None]
-        return cls(
+        tok = cls(
             backend,
             vocab_size=len(tokens),
             bos_token=named["bos"],
@@ -230,6 +234,8 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             chat_templates=templates,
         )
+        tok._dummy_prefix_for_leading_space = kind == "llama" and add_space_prefix
+        return tok
 
     # ---------------------------------------------------------------- construction: HF folder
     @classmethod
@@ -247,9 +253,11 @@ class Tokenizer:
                 value = value.get("content")
             return value if isinstance(value, str) else None
 
-        # Like transformers: explicit add_bos/add_eos flags replace tokenizer.json's post-processor;
-        # without them, whatever the post-processor adds (e.g. Llama 3's <|begin_of_text|>) stays.
-        explicit = "add_bos_token" in config or "add_eos_token" in config
+        # tokenizer.json's post-processor decides what encode() adds (e.g. Llama 3's
+        # <|begin_of_text|>); transformers 5 ignores tokenizer_config's add_bos/add_eos_token when
+        # it has one (its save_pretrained writes the flags into it). Only a file without a
+        # post-processor falls back to the flags, as older transformers and llama.cpp did.
+        flags = backend.post_processor is None
         templates = _hf_chat_templates(root, config)
 
         eos_ids: list[int] = []
@@ -265,8 +273,8 @@ class Tokenizer:
             eos_token=token("eos_token"),
             unk_token=token("unk_token"),
             pad_token=token("pad_token"),
-            add_bos_token=bool(config.get("add_bos_token", False)) if explicit else None,
-            add_eos_token=bool(config.get("add_eos_token", False)) if explicit else None,
+            add_bos_token=bool(config.get("add_bos_token", False)) if flags else None,
+            add_eos_token=bool(config.get("add_eos_token", False)) if flags else None,
             eos_token_ids=eos_ids,
             chat_templates=templates,
             clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
@@ -290,6 +298,8 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; special tokens written in the text (e.g. "<|im_start|>") are matched
         whole. With `add_special_tokens`, BOS (and EOS) are added when the model asks for them."""
+        if self._dummy_prefix_for_leading_space and text.startswith(" "):
+            text = " " + text  # Metaspace turns "  hi" into "▁▁hi", as SentencePiece does " hi"
         if self._use_post_processor:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         ids = self._backend.encode(text, add_special_tokens=False).ids
@@ -511,8 +521,9 @@ def _sentencepiece_bpe(
     backend = _HFTokenizer(
         models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
     )
-    # Spaces become "▁"; with add_space_prefix, one is put in front of the text (only at its very
-    # start, not after every special token -- transformers' "first" scheme).
+    # Spaces become "▁"; with add_space_prefix, one is put in front of the text: only at its very
+    # start, not after every special token (transformers' "first" scheme; llama.cpp adds one after
+    # each special token too). Text starting with a space gets its "▁" in `Tokenizer.encode`.
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
     )

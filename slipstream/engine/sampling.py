@@ -77,7 +77,9 @@ class SamplingParams:
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= 1, or 0 / -1 to disable, got {self.top_k!r}"
+            )
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:

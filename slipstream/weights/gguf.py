@@ -9,7 +9,7 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
-from slipstream.weights.quant import Linear
+from slipstream.weights.quant import Q4_F32, Linear
 
 try:
     import gguf
@@ -100,33 +100,32 @@ def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
+def _q4k_to_q4f32(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q4_K super-blocks (256 weights) -> Q4_F32 blocks of 32, values unchanged."""
+    blocks = raw.reshape(n, k // 256, 144)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mn = _q4k_scales(blocks[..., 4:16])
+    scale = d[..., None] * sc.astype(np.float32)            # [n, k/256, 8], exact in fp32
+    minv = -(dmin[..., None] * mn.astype(np.float32))
+    qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)      # 64-weight chunks: low nibbles, then high
+    codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 2, 16)
+    packed = codes[..., 0, :] | (codes[..., 1, :] << 4)    # our order: byte j = (j, j + 16)
+    out = np.empty((n, k // 256, 8, 24), np.uint8)
+    out[..., 0:4] = scale[..., None].view(np.uint8)
+    out[..., 4:8] = minv[..., None].view(np.uint8)
+    out[..., 8:] = packed
+    return out.reshape(n, -1)
+
+
 def _linear_from_tensor(t: Any) -> Linear:
     qt = QT(t.tensor_type)
     k = int(t.shape[0])
     n = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     raw = np.asarray(t.data)
-    if qt in (QT.Q4_0, QT.Q4_1):
-        bsz = 18 if qt == QT.Q4_0 else 20
-        blocks = raw.reshape(n, k // 32, bsz)
-        d = _f16(blocks[..., 0:2])
-        m = -8.0 * d if qt == QT.Q4_0 else _f16(blocks[..., 2:4])
-        packed = blocks[..., bsz - 16:].reshape(n, k // 2)  # ggml's nibble order is the kernel's
-        return Linear("q4", n, k, torch.from_numpy(np.ascontiguousarray(packed)),
-                      torch.from_numpy(np.ascontiguousarray(d)), torch.from_numpy(np.ascontiguousarray(m)))
-    if qt == QT.Q8_0:
-        blocks = raw.reshape(n, k // 32, 34)
-        d = _f16(blocks[..., 0:2])
-        codes = blocks[..., 2:].view(np.int8).reshape(n, k)
-        return Linear.q8(codes, d)
+    if qt in (QT.Q4_0, QT.Q4_1, QT.Q8_0):  # ggml's block layout is the kernels' layout
+        return Linear.from_blocks(int(qt), raw.reshape(n, -1), n, k)
     if qt == QT.Q4_K:
-        blocks = raw.reshape(n, k // 256, 144)
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = _q4k_scales(blocks[..., 4:16])
-        qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
-        codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)  # 64-element chunks: low then high
-        scale = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
-        minv = -(dmin[..., None] * mn.astype(np.float32)).reshape(n, k // 32)
-        return Linear.q4(codes, scale, minv)
+        return Linear.from_blocks(Q4_F32, _q4k_to_q4f32(raw, n, k), n, k)
     return Linear.dense(torch.from_numpy(_dense(t).reshape(n, k)))
 
 

@@ -31,7 +31,8 @@ def draw(logits_row: torch.Tensor, sp: SamplingParams, n: int, seed: int = 0) ->
 def assert_matches(samples: list[int], expected: dict[int, float]) -> None:
     """Support inside ``expected`` and a chi-square statistic well below a loose bound."""
     counts = Counter(samples)
-    assert set(counts) <= set(expected), f"sampled outside allowed set: {set(counts) - set(expected)}"
+    outside = set(counts) - set(expected)
+    assert not outside, f"sampled outside the allowed set: {outside}"
     n = len(samples)
     chi2 = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in expected.items())
     df = max(1, len(expected) - 1)
@@ -242,8 +243,10 @@ def test_draw_matches_weights_and_skips_zeros(n: int) -> None:
     g = make_generator(1)
     samples = [_draw(weights, g) for _ in range(2000)]
     assert not set(samples) & set(zeros)
-    expected = {t: float(weights[t]) / (1 + tail) for t in heavy}
-    assert_matches([t for t in samples if t in expected], {t: p / sum(expected.values()) for t, p in expected.items()})
+    # Conditioned on landing on a heavy id, draws follow the heavy weights (they sum to 1).
+    assert_matches([t for t in samples if t in heavy], {t: float(weights[t]) for t in heavy})
+    # The thin tail (total mass ~1e-4 at most) gets about its share: a hit or two at most.
+    assert sum(t not in heavy for t in samples) <= 3 + 2000 * 10 * tail
 
 
 @pytest.mark.parametrize("n", [5, 5000])

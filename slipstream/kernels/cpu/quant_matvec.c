@@ -1,128 +1,135 @@
-// Weight-only quantized matrix x vector products for CPU decode (batch 1..8).
+// Matrix products over GGUF-packed weights for CPU decode: y[b, n] = sum_k x[b, k] * W[n, k].
 //
-// Weights stay packed in memory; each 32-element group is expanded to fp32 in registers and
-// multiplied with fp32 activations, accumulating in fp32. The maths is exactly
-// y[b,n] = sum_k x[b,k] * (d[n,g] * q[n,k] + m[n,g]), i.e. what a fp32 matmul over the
-// dequantized weights computes, up to summation order.
+// Weights stay in ggml's own block layout (one row = K/32 blocks); each block is widened to fp32
+// in registers and multiplied with fp32 activations, accumulating in fp32. Per block the maths is
+// d * sum(q * x) + m * sum(x), i.e. the fp32 product over GGUF's dequantized weights d*q + m, up
+// to summation order. Rows of activations are processed 8 at a time so each weight row, once
+// fetched, serves every activation row from L1 (prefill reuses the decode kernel).
 //
-// Layouts (row-major over output rows n, groups g of 32 inputs):
-//   q4: uint8 qs[N][K/2]; in each group byte j holds element j (low nibble) and j+16 (high nibble).
-//   q8: int8 qs[N][K]; gs (16 or 32) inputs share a scale.
-//   d, m: float32 [N][K/gs]; m may be NULL (symmetric formats).
+// Block formats (bytes per 32 weights):
+//   FMT_Q4_0  (18): fp16 d, 16 bytes of nibbles; w = d * (q - 8)
+//   FMT_Q4_1  (20): fp16 d, fp16 m, nibbles;     w = d * q + m
+//   FMT_Q8_0  (34): fp16 d, 32 int8;             w = d * q
+//   FMT_Q4_F32 (24): fp32 d, fp32 m, nibbles;    w = d * q + m   (Q4_K re-blocked at load)
+// Nibbles: byte j of a block holds element j (low 4 bits) and element j + 16 (high 4 bits).
 // If accumulate != 0 the result is added to y (fuses the residual add).
 #include <stdint.h>
 #include <string.h>
-#include <math.h>
-#ifdef __AVX512F__
 #include <immintrin.h>
-#endif
 
-#define MAXB 8
+enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_F32 = 100 };
+#define CHUNK 8
 
-// sums of x over each group, used for the "+ m" part: sum_k m*x_k = m * sum_k x_k
-static void group_sums(const float *x, int K, int gs, float *out) {
-    for (int g = 0; g < K / gs; g++) {
-        float s = 0.f;
-        for (int j = 0; j < gs; j++) s += x[g * gs + j];
-        out[g] = s;
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline int block_bytes(int fmt) {
+    switch (fmt) {
+    case FMT_Q4_0: return 18;
+    case FMT_Q4_1: return 20;
+    case FMT_Q8_0: return 34;
+    default: return 24;
     }
 }
 
-void q4_matvec(const float *x, int B, int K, const uint8_t *qs, const float *d, const float *m,
-               int N, float *y, int accumulate) {
+// One weight row against up to CHUNK activation rows (x rows are K apart, results go to out[b]).
+static inline __attribute__((always_inline)) void row_dot(
+    const int fmt, const uint8_t *row, int G, const float *x, int K, const float *xs, int nb,
+    float *out) {
+    __m512 acc[CHUNK], acc2[CHUNK];
+    float macc[CHUNK];
+    for (int b = 0; b < nb; b++) { acc[b] = _mm512_setzero_ps(); acc2[b] = _mm512_setzero_ps(); macc[b] = 0.f; }
+    const int bsz = block_bytes(fmt);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *blk = row + (int64_t)g * bsz;
+        __m512 w0, w1, dv;
+        float m = 0.f;
+        if (fmt == FMT_Q8_0) {
+            dv = _mm512_set1_ps(f16(blk));
+            w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+            w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        } else {
+            const uint8_t *qs;
+            if (fmt == FMT_Q4_F32) {
+                float d; memcpy(&d, blk, 4); memcpy(&m, blk + 4, 4);
+                dv = _mm512_set1_ps(d); qs = blk + 8;
+            } else {
+                dv = _mm512_set1_ps(f16(blk));
+                if (fmt == FMT_Q4_1) m = f16(blk + 2);
+                qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+            }
+            __m128i p = _mm_loadu_si128((const __m128i *)qs);
+            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(p, low4));
+            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(p, 4), low4));
+            if (fmt == FMT_Q4_0) {
+                const __m512i eight = _mm512_set1_epi32(8);
+                lo = _mm512_sub_epi32(lo, eight);
+                hi = _mm512_sub_epi32(hi, eight);
+            }
+            w0 = _mm512_cvtepi32_ps(lo);
+            w1 = _mm512_cvtepi32_ps(hi);
+        }
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xg));
+            t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), t);
+            if (g & 1) acc2[b] = _mm512_fmadd_ps(dv, t, acc2[b]);
+            else acc[b] = _mm512_fmadd_ps(dv, t, acc[b]);
+            if (fmt == FMT_Q4_1 || fmt == FMT_Q4_F32) macc[b] += m * xs[(int64_t)b * G + g];
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b], acc2[b])) + macc[b];
+}
+
+static void matvec_fmt(const int fmt, const float *x, int B, int K, const uint8_t *w, int N,
+                       float *y, int accumulate, const float *xs) {
     const int G = K / 32;
-    float xs[MAXB][K / 32 + 1];
-    for (int b = 0; b < B; b++) group_sums(x + (int64_t)b * K, K, 32, xs[b]);
+    const int64_t row_bytes = (int64_t)G * block_bytes(fmt);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        const uint8_t *row = qs + (int64_t)n * (K / 2);
-        const float *dn = d + (int64_t)n * G, *mn = m + (int64_t)n * G;
-        float out[MAXB];
-#ifdef __AVX512F__
-        __m512 acc[MAXB];
-        for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        for (int g = 0; g < G; g++) {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * 16));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, low4)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), low4)));
-            __m512 dv = _mm512_set1_ps(dn[g]);
-            for (int b = 0; b < B; b++) {
-                const float *xg = x + (int64_t)b * K + g * 32;
-                __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
-                t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
-                acc[b] = _mm512_fmadd_ps(dv, t, acc[b]);
+        const uint8_t *row = w + n * row_bytes;
+        for (int b0 = 0; b0 < B; b0 += CHUNK) {
+            int nb = B - b0 < CHUNK ? B - b0 : CHUNK;
+            float out[CHUNK];
+            const float *xb = x + (int64_t)b0 * K, *xsb = xs + (int64_t)b0 * G;
+            // constant format and row count per case: the compiler unrolls and keeps accumulators in registers
+#define ROWS(F) switch (nb) { \
+            case 1: row_dot(F, row, G, xb, K, xsb, 1, out); break; \
+            case 2: row_dot(F, row, G, xb, K, xsb, 2, out); break; \
+            case 3: row_dot(F, row, G, xb, K, xsb, 3, out); break; \
+            case 4: row_dot(F, row, G, xb, K, xsb, 4, out); break; \
+            case 5: row_dot(F, row, G, xb, K, xsb, 5, out); break; \
+            case 6: row_dot(F, row, G, xb, K, xsb, 6, out); break; \
+            case 7: row_dot(F, row, G, xb, K, xsb, 7, out); break; \
+            default: row_dot(F, row, G, xb, K, xsb, 8, out); break; }
+            switch (fmt) {
+            case FMT_Q4_0: ROWS(FMT_Q4_0); break;
+            case FMT_Q4_1: ROWS(FMT_Q4_1); break;
+            case FMT_Q8_0: ROWS(FMT_Q8_0); break;
+            default: ROWS(FMT_Q4_F32); break;
             }
-        }
-        for (int b = 0; b < B; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
-#else
-        for (int b = 0; b < B; b++) {
-            const float *xb = x + (int64_t)b * K;
-            float s = 0.f;
-            for (int g = 0; g < G; g++) {
-                float t = 0.f;
-                for (int j = 0; j < 16; j++) {
-                    uint8_t v = row[g * 16 + j];
-                    t += (float)(v & 15) * xb[g * 32 + j] + (float)(v >> 4) * xb[g * 32 + 16 + j];
-                }
-                s += dn[g] * t;
+#undef ROWS
+            for (int b = 0; b < nb; b++) {
+                float *yo = y + (int64_t)(b0 + b) * N + n;
+                *yo = accumulate ? *yo + out[b] : out[b];
             }
-            out[b] = s;
-        }
-#endif
-        for (int b = 0; b < B; b++) {
-            float s = out[b];
-            for (int g = 0; g < G; g++) s += mn[g] * xs[b][g];
-            float *yo = y + (int64_t)b * N + n;
-            *yo = accumulate ? *yo + s : s;
         }
     }
 }
 
-void q8_matvec(const float *x, int B, int K, const int8_t *qs, const float *d, const float *m,
-               int gs, int N, float *y, int accumulate) {
-    const int G = K / gs;
-    float xs[MAXB][K / 16 + 1];
-    if (m)
-        for (int b = 0; b < B; b++) group_sums(x + (int64_t)b * K, K, gs, xs[b]);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const int8_t *row = qs + (int64_t)n * K;
-        const float *dn = d + (int64_t)n * G;
-        float out[MAXB];
-#ifdef __AVX512F__
-        __m512 acc[MAXB];
-        for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+// xs: caller-provided scratch of B * K/32 floats (group sums of x, for the "+ m" part).
+void gguf_matvec(int fmt, const float *x, int B, int K, const uint8_t *w, int N, float *y,
+                 int accumulate, float *xs) {
+    const int G = K / 32;
+    for (int b = 0; b < B; b++)
         for (int g = 0; g < G; g++) {
-            __m512 dv = _mm512_set1_ps(dn[g]);
-            for (int j = 0; j < gs; j += 16) {
-                __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + g * gs + j))));
-                w = _mm512_mul_ps(w, dv);
-                for (int b = 0; b < B; b++)
-                    acc[b] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (int64_t)b * K + g * gs + j), acc[b]);
-            }
-        }
-        for (int b = 0; b < B; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
-#else
-        for (int b = 0; b < B; b++) {
-            const float *xb = x + (int64_t)b * K;
             float s = 0.f;
-            for (int g = 0; g < G; g++) {
-                float t = 0.f;
-                for (int j = 0; j < gs; j++) t += (float)row[g * gs + j] * xb[g * gs + j];
-                s += dn[g] * t;
-            }
-            out[b] = s;
+            for (int j = 0; j < 32; j++) s += x[(int64_t)b * K + g * 32 + j];
+            xs[(int64_t)b * G + g] = s;
         }
-#endif
-        for (int b = 0; b < B; b++) {
-            float s = out[b];
-            if (m) {
-                const float *mn = m + (int64_t)n * G;
-                for (int g = 0; g < G; g++) s += mn[g] * xs[b][g];
-            }
-            float *yo = y + (int64_t)b * N + n;
-            *yo = accumulate ? *yo + s : s;
-        }
-    }
+    matvec_fmt(fmt, x, B, K, w, N, y, accumulate, xs);
 }
