@@ -132,7 +132,7 @@ def _linear_from_tensor(t: Any) -> Linear:
 def _dense(t: Any) -> np.ndarray:
     qt = QT(t.tensor_type)
     if qt == QT.F32:
-        return np.asarray(t.data, dtype=np.float32)
+        return np.array(t.data, dtype=np.float32)  # a writable copy of the read-only map
     return gguf.quants.dequantize(np.asarray(t.data), qt).astype(np.float32)
 
 

@@ -9,6 +9,7 @@ native kernels multiply the packed bytes directly, for decode and prefill alike.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,9 @@ class Linear:
     def from_blocks(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear":
         if k % 32:
             raise ValueError(f"packed weights need K divisible by 32, got {k}")
-        t = torch.as_tensor(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(n, -1)
+        with warnings.catch_warnings():  # a read-only memory map of the file: we never write to it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.as_tensor(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(n, -1)
         if t.shape[1] != k // 32 * BLOCK_BYTES[fmt]:
             raise ValueError(f"{FORMAT_NAMES[fmt]} row of {k} weights needs {k // 32 * BLOCK_BYTES[fmt]} bytes")
         return Linear(n, k, t.contiguous(), fmt)
@@ -92,8 +95,13 @@ class Linear:
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)
+        if x.shape[-1] != self.k:
+            raise ValueError(f"expected {self.k} input features, got {x.shape[-1]}")
+        if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()):
+            y = self(x)
+            return out.add_(y) if accumulate else out.copy_(y)
         rows = x.shape[0]
-        x = x.contiguous()
+        x = x.to(torch.float32).contiguous()
         if out is None:
             out = torch.empty(rows, self.n, dtype=torch.float32)
             accumulate = False

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,7 +352,6 @@ def _permute(w, n_head: int, inverse: bool = False):
 
 def _random_q4k(n: int, k: int, seed: int):
     """Random Q4_K super-blocks (gguf-py has no Q4_K quantizer) with weights of order 1/sqrt(k)."""
-    import numpy as np
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
     d = rng.uniform(2e-4, 6e-4, (n, k // 256, 1)).astype(np.float16)
@@ -381,7 +381,6 @@ def _llama3_rope_factors(rp: dict, head_dim: int):
 
 def _write_gguf(hf: torch.nn.Module, path: Path, types: dict, tied: bool) -> None:
     """Write hf's weights to `path`; then load the file's (dequantized) weights back into hf."""
-    import numpy as np
     c = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_hidden_layers)

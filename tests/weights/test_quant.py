@@ -220,15 +220,13 @@ def test_fallback_when_kernel_build_fails(monkeypatch, tmp_path):
 
 
 @needs_native
-@pytest.mark.xfail(strict=True, reason="BUG: the native path reads x's bytes as float32 whatever its dtype")
 def test_native_float64_input():
     lin = random_linear(Q8_0, n=8, k=64)
     x = torch.randn(2, 64, dtype=torch.float64)
-    assert_rel(lin(x).double(), reference(x, lin))
+    assert_rel(lin(x), reference(x, lin))
 
 
 @needs_native
-@pytest.mark.xfail(strict=True, reason="BUG: the native path writes `out` as if it were contiguous")
 def test_native_non_contiguous_out():
     lin = random_linear(Q8_0, n=8, k=64)
     x = torch.randn(2, 64)

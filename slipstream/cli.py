@@ -1,0 +1,175 @@
+"""Command line: `slipstream generate|chat [MODEL] ...`.
+
+User errors (a missing model file, an unsupported architecture or quant type, a prompt longer than
+the context, bad sampling parameters) print one line, `error: ...`, and exit with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+from slipstream.errors import SlipstreamError
+
+MODEL_HELP = "a .gguf file, a Hugging Face folder, or smollm2-135m (the default)"
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--runtime", choices=["auto", "eager", "native"], default="auto",
+                   help="decode step executor (auto: native CPU kernels where they apply)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="Low-latency LLM inference.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    _engine_args(g)
+    g.add_argument("-p", "--prompt", required=True, help="the prompt ('-' reads standard input)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids, prompt_tokens, ttft_s, decode_tok_s")
+    _sampling_args(g, 128)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    _engine_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    _sampling_args(c, 512)
+    return parser
+
+
+def _params(args: argparse.Namespace):
+    from slipstream.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise SlipstreamError(str(e)) from None
+
+
+def _load(args: argparse.Namespace):
+    from slipstream.api import LLM
+
+    return LLM(args.model, max_model_len=args.max_model_len, runtime=args.runtime)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = _load(args)
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs.append({"role": "user", "content": prompt})
+        source = msgs
+    else:
+        source = prompt
+    last = None
+    for chunk in llm.stream(source, params):
+        if not args.json and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        last = chunk
+    req = last.request
+    m = req.metrics
+    if args.json:
+        print(json.dumps({
+            "text": req.text, "token_ids": req.output_ids, "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids), "finish_reason": req.finish_reason,
+            "ttft_s": m.ttft_s, "decode_tok_s": m.decode_tok_s, "model": llm.model_name,
+            "runtime": llm.engine.runtime_name}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        tps = f"{m.decode_tok_s:.1f} tok/s" if m.decode_tok_s else "n/a"
+        print(f"[{len(req.prompt_ids)} prompt tokens, {len(req.output_ids)} generated, "
+              f"TTFT {m.ttft_s * 1000:.0f} ms, decode {tps}, finish: {req.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    t0 = time.perf_counter()
+    llm = _load(args)
+    print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime). "
+          f"Type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = history[:1] if args.system else []
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": text})
+        reply, last = "", None
+        try:
+            for chunk in llm.stream(history, params):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                reply += chunk.text
+                last = chunk
+        except SlipstreamError as e:  # e.g. the conversation outgrew the context: say so, keep going
+            history.pop()
+            print(f"\nerror: {e} (try /reset)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n(interrupted)", file=sys.stderr)
+        history.append({"role": "assistant", "content": reply})
+        m = last.request.metrics if last else None
+        speed = f"{m.decode_tok_s:.1f} tok/s" if m and m.decode_tok_s else "n/a"
+        ttft = f"{m.ttft_s * 1000:.0f} ms" if m and m.ttft_s is not None else "n/a"
+        print(f"\n[{len(last.request.output_ids) if last else 0} tokens, TTFT {ttft}, {speed}]", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from slipstream import __version__
+        print(__version__)
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except SlipstreamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `slipstream generate ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
