@@ -19,7 +19,7 @@ from slipstream.models.llama import LlamaModel, StepInput
 
 
 class _Buffers:
-    def __init__(self, model: LlamaModel, batch: int, max_ctx: int):
+    def __init__(self, model: LlamaModel, batch: int):
         c = model.cfg
         qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         f32 = dict(dtype=torch.float32)
@@ -32,7 +32,6 @@ class _Buffers:
         self.logits = torch.empty(batch, c.vocab_size, **f32)
         kmax = max(c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim)
         self.scratch = torch.empty(batch * (kmax // 32 + 1), **f32)
-        self.slots = torch.empty(batch * max_ctx, dtype=torch.long)
 
 
 class NativeDecoder:
@@ -45,7 +44,6 @@ class NativeDecoder:
         self.lib = lib
         self.model = model
         self.kv = kv
-        self.max_ctx = kv.capacity_tokens
         self._buffers: dict[int, _Buffers] = {}
         c = model.cfg
         self._layers = [self._layer_args(L) for L in model.layers]
@@ -65,13 +63,12 @@ class NativeDecoder:
 
     def _buf(self, batch: int) -> _Buffers:
         if batch not in self._buffers:
-            self._buffers[batch] = _Buffers(self.model, batch, self.max_ctx)
+            self._buffers[batch] = _Buffers(self.model, batch)
         return self._buffers[batch]
 
     def _matvec(self, w, x: torch.Tensor, out: torch.Tensor, rows: int, accumulate: bool,
                 scratch: torch.Tensor) -> None:
-        self.lib.gguf_matvec(w.fmt, x.data_ptr(), rows, w.k, w.data.data_ptr(), w.n, out.data_ptr(),
-                             int(accumulate), scratch.data_ptr())
+        w.native(self.lib, x.data_ptr(), rows, out.data_ptr(), accumulate, scratch.data_ptr())
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:

@@ -1,15 +1,16 @@
 """Weight matrices, packed or dense, and their products with activations.
 
-A `Linear` holds an [N, K] weight either as a dense float32 tensor or, packed, as ggml blocks of
-32 weights (the bytes of the GGUF file, row by row), one of:
-  Q4_0 (18 B/block), Q4_1 (20 B), Q8_0 (34 B), and Q4_F32 (24 B: fp32 scale, fp32 min, 16 bytes of
-  nibbles), which is how Q4_K's 6-bit sub-block scales are re-blocked at load without loss.
-`dequantize()` reproduces GGUF's reference dequantization (d*q + m in float32) bit for bit; the
-native kernels multiply the packed bytes directly, for decode and prefill alike.
+A `Linear` holds an [N, K] weight either as a dense float32 tensor or packed, from one of ggml's
+block formats (groups of 32 weights sharing a scale): Q4_0, Q4_1, Q8_0, or Q4_F32, our name for
+Q4_K re-blocked into groups of 32 with float32 scale and min. Packed weights are stored in the
+native kernels' compute layout (`kernels/cpu/quant_matvec.c`):
+  4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` float32 [N, K/32]; w = scale * q + min
+  8-bit: `data` int8 [N, K], `scale` float32 [N, K/32];                      w = scale * q
+Every format maps onto these without changing a weight: `dequantize()` equals GGUF's reference
+dequantization bit for bit, and the kernels multiply the packed codes with fp32 activations.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,17 +18,23 @@ import torch
 
 from slipstream.kernels.cpu import load_library
 
-Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100
+Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100       # ggml's type ids; Q4_F32 is ours
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_F32: 24}
-FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_F32"}
+FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_K"}
+
+
+def _f16_to_f32(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
 
 
 @dataclass
 class Linear:
     n: int                              # output features
     k: int                              # input features
-    data: torch.Tensor                  # float32 [N, K], or uint8 [N, K/32 * block bytes]
-    fmt: int | None = None              # None = dense float32, else one of the block formats
+    data: torch.Tensor                  # float32 [N, K] | uint8 [N, K/2] | int8 [N, K]
+    fmt: int | None = None              # None = dense, else the ggml format it came from
+    scale: torch.Tensor | None = None   # float32 [N, K/32]
+    min: torch.Tensor | None = None     # float32 [N, K/32] (4-bit formats)
     bias: torch.Tensor | None = None
 
     @property
@@ -36,62 +43,73 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        b = self.data.numel() * self.data.element_size()
-        return b + (0 if self.bias is None else self.bias.numel() * 4)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias)
+                   if t is not None)
 
     @staticmethod
     def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
         w = w.to(torch.float32).contiguous()
         return Linear(w.shape[0], w.shape[1], w, None,
-                      None if bias is None else bias.to(torch.float32).contiguous())
+                      bias=None if bias is None else bias.to(torch.float32).contiguous())
 
     @staticmethod
     def from_blocks(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear":
+        """From ggml block bytes, row by row ([N, K/32 * block bytes])."""
         if k % 32:
             raise ValueError(f"packed weights need K divisible by 32, got {k}")
-        with warnings.catch_warnings():  # a read-only memory map of the file: we never write to it
-            warnings.simplefilter("ignore", UserWarning)
-            t = torch.as_tensor(np.ascontiguousarray(blocks)).view(torch.uint8).reshape(n, -1)
-        if t.shape[1] != k // 32 * BLOCK_BYTES[fmt]:
-            raise ValueError(f"{FORMAT_NAMES[fmt]} row of {k} weights needs {k // 32 * BLOCK_BYTES[fmt]} bytes")
-        return Linear(n, k, t.contiguous(), fmt)
+        raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True)).reshape(n, -1)
+        if raw.shape[1] != k // 32 * BLOCK_BYTES[fmt]:
+            raise ValueError(f"a {FORMAT_NAMES[fmt]} row of {k} weights needs "
+                             f"{k // 32 * BLOCK_BYTES[fmt]} bytes, got {raw.shape[1]}")
+        b = raw.view(n, k // 32, BLOCK_BYTES[fmt])
+        if fmt == Q8_0:
+            return Linear(n, k, b[..., 2:].contiguous().view(torch.int8).reshape(n, k), fmt,
+                          _f16_to_f32(b[..., 0:2]))
+        if fmt == Q4_F32:
+            d = b[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
+            m = b[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
+        else:
+            d = _f16_to_f32(b[..., 0:2])
+            m = _f16_to_f32(b[..., 2:4]) if fmt == Q4_1 else -8.0 * d   # d*(q-8) == d*q + (-8d), exactly
+        qs = b[..., BLOCK_BYTES[fmt] - 16:].reshape(n, k // 2).contiguous()
+        return Linear(n, k, qs, fmt, d.contiguous(), m.contiguous())
 
     def select_rows(self, rows: torch.Tensor) -> "Linear":
-        return Linear(int(rows.numel()), self.k, self.data[rows].contiguous(), self.fmt,
-                      None if self.bias is None else self.bias[rows].contiguous())
+        pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
+        return Linear(int(rows.numel()), self.k, pick(self.data), self.fmt, pick(self.scale),
+                      pick(self.min), pick(self.bias))
 
     # -- maths ------------------------------------------------------------------------------------
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [N, K] (or the given rows), equal to GGUF's dequantization bit for bit."""
-        data = self.data if rows is None else self.data[rows]
         if self.fmt is None:
-            return data
-        n = data.shape[0]
-        blocks = data.view(n, self.k // 32, BLOCK_BYTES[self.fmt])
+            return self.data if rows is None else self.data[rows]
+        w = self if rows is None else self.select_rows(rows)
+        groups = w.k // 32
         if self.fmt == Q8_0:
-            d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)
-            q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
-            return (d * q).view(n, self.k)
-        if self.fmt == Q4_F32:
-            d = blocks[..., 0:4].contiguous().view(torch.float32)
-            m = blocks[..., 4:8].contiguous().view(torch.float32)
-            qs = blocks[..., 8:]
+            q = w.data.view(w.n, groups, 32).to(torch.float32)
+            return (w.scale.unsqueeze(-1) * q).view(w.n, w.k)
+        p = w.data.view(w.n, groups, 16)
+        q = torch.cat([p & 15, p >> 4], dim=-1).to(torch.float32)
+        if self.fmt == Q4_0:  # same values as scale*q + min, and ggml's sign of zero too
+            return (w.scale.unsqueeze(-1) * (q - 8)).view(w.n, w.k)
+        return (w.scale.unsqueeze(-1) * q + w.min.unsqueeze(-1)).view(w.n, w.k)
+
+    def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
+        """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
+        if self.fmt == Q8_0:
+            lib.q8_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(), self.n,
+                          out_ptr, int(accumulate))
         else:
-            d = blocks[..., 0:2].contiguous().view(torch.float16).to(torch.float32)
-            m = blocks[..., 2:4].contiguous().view(torch.float16).to(torch.float32) if self.fmt == Q4_1 else None
-            qs = blocks[..., 4:] if self.fmt == Q4_1 else blocks[..., 2:]
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.float32)
-        if self.fmt == Q4_0:
-            return (d * (q - 8)).view(n, self.k)
-        return (d * q + m).view(n, self.k)
+            lib.q4_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(),
+                          self.min.data_ptr(), self.n, out_ptr, int(accumulate), scratch_ptr)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
         """y = x @ W.T (+ bias) for x [rows, K]; with accumulate=True adds into `out` (residual add)."""
         lib = load_library() if self.fmt is not None else None
         if lib is None:
-            w = self.data if self.fmt is None else self.dequantize()
-            y = torch.nn.functional.linear(x, w, self.bias)
+            y = torch.nn.functional.linear(x, self.dequantize(), self.bias)
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)
@@ -106,8 +124,7 @@ class Linear:
             out = torch.empty(rows, self.n, dtype=torch.float32)
             accumulate = False
         scratch = torch.empty(rows * (self.k // 32), dtype=torch.float32)
-        lib.gguf_matvec(self.fmt, x.data_ptr(), rows, self.k, self.data.data_ptr(), self.n,
-                        out.data_ptr(), int(accumulate), scratch.data_ptr())
+        self.native(lib, x.data_ptr(), rows, out.data_ptr(), accumulate, scratch.data_ptr())
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -115,10 +132,14 @@ class Linear:
 
 def concat_rows(parts: list[Linear]) -> Linear:
     """Stack weights over output rows (fused QKV, gate+up): one kernel call instead of several."""
-    if len({(p.fmt, p.k) for p in parts}) != 1:
+    kinds = {(p.fmt == Q8_0 if p.packed else None, p.k) for p in parts}
+    if len(kinds) != 1:
         parts = [Linear.dense(p.dequantize(), p.bias) for p in parts]
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts])
-    return Linear(sum(p.n for p in parts), parts[0].k, torch.cat([p.data for p in parts]).contiguous(),
-                  parts[0].fmt, bias)
+    fmts = {p.fmt for p in parts}
+    fmt = parts[0].fmt if len(fmts) == 1 else Q4_F32   # mixed 4-bit sources share one layout
+    return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
+                  cat([p.scale for p in parts]), cat([p.min for p in parts]), bias)

@@ -59,10 +59,10 @@ def load_library() -> ctypes.CDLL | None:
             os.replace(tmp_out, out)  # atomic: concurrent processes never see a half-written file
     lib = ctypes.CDLL(str(out))
     vp, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.gguf_matvec.argtypes = [i32, vp, i32, i32, vp, i32, vp, i32, vp]
-    lib.gguf_matvec.restype = None
     f32 = ctypes.c_float
     signatures = {
+        "q4_matvec": [vp, i32, i32, vp, vp, vp, i32, vp, i32, vp],
+        "q8_matvec": [vp, i32, i32, vp, vp, i32, vp, i32],
         "rmsnorm": [vp, vp, i32, i32, f32, vp],
         "rope_store": [vp, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp, vp, vp],
         "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp],

@@ -1,0 +1,454 @@
+"""Batch-1 CPU decode speed of Slipstream against llama.cpp and HF transformers, on one GGUF file.
+
+What it measures
+----------------
+Every engine is given the same prompt as token ids (tokenized once, by Slipstream's tokenizer for
+the GGUF, so every prefill has the same length) and decodes greedily for ``--max-tokens`` new tokens
+with end-of-sequence ignored, at batch size 1, on ``--threads`` CPU threads. For each token the
+harness takes a ``time.perf_counter()`` stamp as soon as the engine hands the token id to Python.
+With ``t0`` taken just before the engine's generation call and ``t_1 .. t_n`` the token stamps:
+
+* TTFT          = t_1 - t0           (prefill and the first sampled token included)
+* decode tok/s  = (n - 1) / (t_n - t_1)   (prefill excluded)
+
+The same definitions are used for all three engines, each through its fastest ordinary streaming
+path:
+
+* slipstream:   ``LLM(path).stream(prompt_ids, SamplingParams(temperature=0, ignore_eos=True))``
+  (the engine's own ``RequestMetrics`` numbers are recorded next to ours in the JSON).
+* llama.cpp:    ``llama_cpp.Llama.generate(prompt_ids, temp=0, ...)``, the token generator under
+  ``create_completion``; it does not stop at EOS by itself, so it is stopped after n tokens.
+  ``Llama.reset()`` is called before each run so the prompt is never served from the KV cache.
+* transformers: ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (the GGUF dequantized
+  to float32), then a hand-written greedy loop, ``model(...)`` with a ``DynamicCache`` under
+  ``torch.inference_mode()``, prefill computing only the last position's logits (as ``generate``
+  does). This is ``generate``'s greedy path without its per-step logits-processor, stopping-criteria
+  and streamer bookkeeping, so the peer is timed at its best, not handicapped by our harness.
+
+Each engine runs in its own child process (this script with ``--engine NAME``), one after another,
+never two at once, so threads and memory of one do not disturb the next. Each child does one
+untimed warm-up run and then ``--runs`` timed runs; the parent reports the median (and min/max).
+
+Greedy tokens are compared: Slipstream and transformers both compute in float32 on the same
+dequantized weights, so their tokens should match; llama.cpp quantizes activations for its integer
+dot products, so it drifts sooner and its agreement length is informative only.
+
+Usage::
+
+    python benchmarks/cpu_decode.py
+    python benchmarks/cpu_decode.py --engines slipstream --runs 1 --max-tokens 16
+    python benchmarks/cpu_decode.py --prompt-tokens 512 --json results.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Generator, Sequence
+
+ENGINES = ("slipstream", "llama.cpp", "transformers")
+# The Python package each engine needs (checked before a child is started).
+ENGINE_PACKAGES = {"slipstream": "slipstream", "llama.cpp": "llama_cpp", "transformers": "transformers"}
+DEFAULT_QUESTION = "Explain in a few sentences why the sky is blue during the day."
+# Filler for --prompt-tokens: repeated, then cut to the exact length wanted.
+FILLER = ("The history of the river valley is long and varied. Farmers grew wheat and barley on "
+          "its banks, traders carried salt and cloth along its roads, and every spring the water "
+          "rose and covered the low fields with fresh soil. ")
+CHILD_TIMEOUT_S = 1800
+
+
+# -- results --------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    """One timed generation: its tokens and the time stamps they arrived at (seconds after t0)."""
+    token_ids: list[int]
+    stamps_s: list[float]
+    engine_metrics: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.stamps_s[0]
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        n = len(self.stamps_s)
+        dt = self.stamps_s[-1] - self.stamps_s[0] if n else 0.0
+        return (n - 1) / dt if n >= 2 and dt > 0 else None
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    ok: bool
+    note: str = ""
+    load_s: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    runs: list[RunResult] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineResult:
+        runs = [RunResult(**r) for r in d.pop("runs", [])]
+        return cls(**d, runs=runs)
+
+
+def _median_min_max(values: Sequence[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _summary(res: EngineResult) -> dict[str, Any]:
+    """Median/min/max of the timed runs' decode tok/s and TTFT."""
+    tps = [r.decode_tok_s for r in res.runs if r.decode_tok_s is not None]
+    ttft = [r.ttft_s for r in res.runs]
+    out: dict[str, Any] = {"n_runs": len(res.runs), "n_tokens": [len(r.token_ids) for r in res.runs]}
+    if tps:
+        out["decode_tok_s"] = dict(zip(("median", "min", "max"), _median_min_max(tps)))
+    if ttft:
+        out["ttft_ms"] = dict(zip(("median", "min", "max"), (1e3 * v for v in _median_min_max(ttft))))
+    out["deterministic"] = len({tuple(r.token_ids) for r in res.runs}) <= 1
+    return out
+
+
+# -- prompt ---------------------------------------------------------------------------------------
+def _load_tokenizer(model: Path) -> Any:
+    """Slipstream's tokenizer for the GGUF (the one `LLM(model).tokenizer` is), without the weights."""
+    from slipstream.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(model)
+
+
+def build_prompt_ids(model: Path, prompt_tokens: int | None) -> list[int]:
+    """The chat-templated question as ids; with `prompt_tokens`, the user message is filled or cut
+    so that the whole templated prompt is exactly that many tokens long."""
+    tok = _load_tokenizer(model)
+    if prompt_tokens is None:
+        text = tok.apply_chat_template([{"role": "user", "content": DEFAULT_QUESTION}],
+                                       add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+    marker = "\x00MARK\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True)
+    head, tail = text.split(marker)
+    head_ids = tok.encode(head, add_special_tokens=False)
+    tail_ids = tok.encode(tail, add_special_tokens=False)
+    room = prompt_tokens - len(head_ids) - len(tail_ids)
+    if room <= 0:  # shorter than the template itself: keep its start
+        return (head_ids + tail_ids)[:prompt_tokens]
+    question = tok.encode(" " + DEFAULT_QUESTION, add_special_tokens=False)
+    filler = tok.encode(FILLER, add_special_tokens=False)
+    body = filler * (room // len(filler) + 1)
+    body = body[: max(0, room - len(question))] + question[-room:]
+    return head_ids + body + tail_ids
+
+
+# -- timing ---------------------------------------------------------------------------------------
+def time_stream(start: Callable[[], Generator[Sequence[int], None, None]], max_tokens: int) -> RunResult:
+    """Run one generation; `start()` returns an iterator of token-id groups as they are produced.
+
+    t0 is taken just before `start()`; a token's stamp is when its group reaches us."""
+    ids: list[int] = []
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    gen = start()
+    try:
+        for group in gen:
+            now = time.perf_counter() - t0
+            for t in group:
+                ids.append(int(t))
+                stamps.append(now)
+            if len(ids) >= max_tokens:
+                break
+    finally:
+        gen.close()  # let the engine release what the run holds (slipstream frees its KV blocks)
+    return RunResult(ids[:max_tokens], stamps[:max_tokens])
+
+
+def _bench(gen: Callable[[], RunResult], runs: int) -> list[RunResult]:
+    gen()  # warm-up, not counted
+    return [gen() for _ in range(runs)]
+
+
+# -- engines (run inside the child process) -------------------------------------------------------
+def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
+    import torch
+    torch.set_num_threads(threads)
+    import slipstream
+    from slipstream import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(str(model))
+    load_s = time.perf_counter() - t
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    last_req: list[Any] = []
+
+    def groups() -> Generator[list[int], None, None]:
+        for chunk in llm.stream(ids, params):
+            last_req[:] = [chunk.request]
+            yield chunk.token_ids
+
+    def one() -> RunResult:
+        r = time_stream(groups, max_tokens)
+        m = last_req[0].metrics
+        r.engine_metrics = {"ttft_s": m.ttft_s, "decode_tok_s": m.decode_tok_s}
+        return r
+
+    info = {"version": slipstream.__version__, "runtime": llm.engine.runtime_name,
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return EngineResult("slipstream", True, load_s=load_s, info=info, runs=_bench(one, runs))
+
+
+def run_llama_cpp(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
+    import llama_cpp
+
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(str(model), n_ctx=len(ids) + max_tokens + 16, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    load_s = time.perf_counter() - t
+
+    def groups() -> Generator[list[int], None, None]:
+        llm.reset()  # never reuse the previous run's KV cache for the prompt
+        # generate() yields tokens until the caller stops; EOS is not special here (ignore_eos)
+        for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            yield [tok]
+
+    info = {"version": llama_cpp.__version__, "n_threads": threads,
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+    return EngineResult("llama.cpp", True, load_s=load_s, info=info,
+                        runs=_bench(lambda: time_stream(groups, max_tokens), runs))
+
+
+def run_transformers(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
+    import torch
+    torch.set_num_threads(threads)
+    import transformers
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    transformers.utils.logging.disable_progress_bar()
+    t = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(str(model.parent), gguf_file=model.name, dtype=torch.float32)
+    hf.eval()
+    load_s = time.perf_counter() - t
+
+    def groups() -> Generator[list[int], None, None]:
+        with torch.inference_mode():
+            cache = DynamicCache(config=hf.config)
+            x = torch.tensor([ids])
+            out = hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            while True:
+                nxt = int(out.logits[0, -1].argmax())
+                yield [nxt]
+                out = hf(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+
+    info = {"version": transformers.__version__, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "attn": hf.config._attn_implementation}
+    return EngineResult("transformers", True, load_s=load_s, info=info,
+                        runs=_bench(lambda: time_stream(groups, max_tokens), runs))
+
+
+RUNNERS: dict[str, Callable[[Path, list[int], int, int, int], EngineResult]] = {
+    "slipstream": run_slipstream, "llama.cpp": run_llama_cpp, "transformers": run_transformers,
+}
+
+
+def child_main(args: argparse.Namespace) -> int:
+    ids = json.loads(Path(args.prompt_ids_file).read_text())
+    res = RUNNERS[args.engine](Path(args.model), ids, args.max_tokens, args.runs, args.threads)
+    Path(args.json).write_text(json.dumps(asdict(res)))
+    return 0
+
+
+# -- parent ---------------------------------------------------------------------------------------
+def package_missing(engine: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(ENGINE_PACKAGES[engine]) is None
+
+
+def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineResult:
+    """Run one engine in a fresh interpreter and read back its results."""
+    if package_missing(engine):
+        return EngineResult(engine, False, note=f"skipped: package {ENGINE_PACKAGES[engine]!r} is not installed")
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "result.json"
+        cmd = [sys.executable, os.path.abspath(__file__), "--engine", engine, "--json", str(out),
+               "--model", str(args.model), "--prompt-ids-file", str(ids_file),
+               "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return EngineResult(engine, False, note=f"failed: timed out after {CHILD_TIMEOUT_S} s")
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            return EngineResult(engine, False, note="failed (rc %d): %s" % (proc.returncode, " | ".join(tail)))
+        return EngineResult.from_dict(json.loads(out.read_text()))
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for dist in ("torch", "llama_cpp_python", "transformers", "slipstream", "gguf"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    return {"cpu": cpu, "cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
+            "slipstream_commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _fmt_range(s: dict[str, float] | None, digits: int = 1) -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def print_table(results: list[EngineResult], summaries: dict[str, dict[str, Any]]) -> None:
+    ref = summaries.get("slipstream", {})
+    ref_tps = ref.get("decode_tok_s", {}).get("median")
+    ref_ttft = ref.get("ttft_ms", {}).get("median")
+    print(f"{'engine':<14}{'decode tok/s (median [min-max])':<34}{'TTFT ms (median [min-max])':<30}"
+          f"{'slipstream ratio':<18}{'TTFT ratio':<10}")
+    for res in results:
+        if not res.ok:
+            print(f"{res.engine:<14}{res.note}")
+            continue
+        s = summaries[res.engine]
+        tps, ttft = s.get("decode_tok_s"), s.get("ttft_ms")
+        ratio = tratio = ""
+        if res.engine != "slipstream" and ref_tps and tps:
+            ratio = f"{ref_tps / tps['median']:.2f} x"
+        if res.engine != "slipstream" and ref_ttft and ttft:
+            tratio = f"{ttft['median'] / ref_ttft:.2f} x"
+        print(f"{res.engine:<14}{_fmt_range(tps):<34}{_fmt_range(ttft):<30}{ratio:<18}{tratio:<10}")
+    print("slipstream ratio = slipstream decode tok/s / peer's; TTFT ratio = peer's TTFT / slipstream's "
+          "(both > 1 when slipstream is faster)")
+
+
+def print_agreement(results: list[EngineResult], summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Compare the last timed run's greedy tokens with Slipstream's."""
+    toks = {r.engine: r.runs[-1].token_ids for r in results if r.ok and r.runs}
+    report: dict[str, Any] = {}
+    for name, s in summaries.items():
+        if not s["deterministic"]:
+            print(f"note: {name} produced different tokens in different runs")
+    ref = toks.get("slipstream")
+    if ref is None:
+        return report
+    for name in ("transformers", "llama.cpp"):
+        if name not in toks:
+            continue
+        n = agreement(ref, toks[name])
+        same = ref == toks[name]
+        report[name] = {"identical": same, "agree_prefix": n, "length": len(ref)}
+        verdict = "identical" if same else f"agree on the first {n} of {len(ref)} tokens"
+        suffix = " (informative only: llama.cpp quantizes activations)" if name == "llama.cpp" else ""
+        print(f"greedy tokens, slipstream vs {name}: {verdict}{suffix}")
+    return report
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        print(f"unknown engine(s): {', '.join(unknown)} (choose from {', '.join(ENGINES)})", file=sys.stderr)
+        return 2
+    ids = build_prompt_ids(args.model, args.prompt_tokens)
+    info = machine_info()
+    print(f"model: {args.model}")
+    print(f"machine: {info['cpu']}, {info['cores']} cores; threads={args.threads}; "
+          f"prompt {len(ids)} tokens; {args.max_tokens} new tokens; {args.runs} timed runs + 1 warm-up")
+    results: list[EngineResult] = []
+    with tempfile.TemporaryDirectory() as d:
+        ids_file = Path(d) / "prompt_ids.json"
+        ids_file.write_text(json.dumps(ids))
+        for engine in engines:
+            print(f"running {engine} ...", flush=True)
+            res = run_child(engine, args, ids_file)
+            results.append(res)
+            if not res.ok:
+                print(f"  {res.note}")
+            else:
+                print(f"  loaded in {res.load_s:.1f} s; tokens per run: {[len(r.token_ids) for r in res.runs]}")
+    summaries = {r.engine: _summary(r) for r in results if r.ok and r.runs}
+    print()
+    print_table(results, summaries)
+    agree = print_agreement(results, summaries)
+    short = [r.engine for r in results if r.ok and any(len(x.token_ids) < args.max_tokens for x in r.runs)]
+    if short:
+        print(f"note: fewer than {args.max_tokens} tokens from: {', '.join(short)}")
+    if args.json:
+        payload = {"machine": info, "model": str(args.model), "prompt_ids": ids,
+                   "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "threads": args.threads,
+                                "prompt_tokens": len(ids)},
+                   "summary": summaries, "agreement": agree, "results": [asdict(r) for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+        print(f"raw numbers written to {args.json}")
+    return 0 if all(r.ok or r.note.startswith("skipped") for r in results) else 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None,
+                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
+    p.add_argument("--runs", type=int, default=3, help="timed runs per engine, after one warm-up")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per run (EOS ignored)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="fill/cut the templated prompt to exactly this many tokens")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for every engine")
+    p.add_argument("--json", default=None, help="write all raw numbers and machine info to this file")
+    p.add_argument("--engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--prompt-ids-file", default=None, help=argparse.SUPPRESS)          # child mode
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1:
+        p.error("--runs and --threads must be >= 1 and --max-tokens >= 2")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        p.error("--prompt-tokens must be >= 1")
+    if args.engine and not (args.json and args.prompt_ids_file):
+        p.error("--engine (child mode) needs --json and --prompt-ids-file")
+    if args.model is None:
+        from slipstream.weights import default_model_path
+        args.model = default_model_path()
+    args.model = Path(args.model).expanduser().resolve()
+    if not args.model.is_file() or args.model.suffix != ".gguf":
+        p.error(f"{args.model}: not a .gguf file")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return child_main(args) if args.engine else parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
