@@ -50,8 +50,10 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        # empty, not zeros: pages are only committed when written, and attention never reads a
+        # slot before its token was stored
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
