@@ -104,8 +104,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         tps = f"{m.decode_tok_s:.1f} tok/s" if m.decode_tok_s else "n/a"
+        ttft = f"{m.ttft_s * 1000:.0f} ms" if m.ttft_s is not None else "n/a"
         print(f"[{len(req.prompt_ids)} prompt tokens, {len(req.output_ids)} generated, "
-              f"TTFT {m.ttft_s * 1000:.0f} ms, decode {tps}, finish: {req.finish_reason}]", file=sys.stderr)
+              f"TTFT {ttft}, decode {tps}, finish: {req.finish_reason}]", file=sys.stderr)
     return 0
 
 

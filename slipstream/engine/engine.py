@@ -16,7 +16,7 @@ import torch
 
 from slipstream.engine.request import Request
 from slipstream.engine.sampling import Sampler, make_generator
-from slipstream.errors import PromptTooLongError
+from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
 
@@ -37,6 +37,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
+            raise SlipstreamError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         if kv_cache_tokens is None:
@@ -53,7 +55,11 @@ class Engine:
 
         if runtime not in ("auto", "eager", "native"):
             raise ValueError(f"unknown runtime {runtime!r} (auto, eager, native)")
-        if runtime == "eager" or (runtime == "auto" and not NativeDecoder.supports(self.model)):
+        supported = NativeDecoder.supports(self.model)
+        if runtime == "native" and not supported:
+            raise SlipstreamError("the native runtime needs packed GGUF weights (Q4_0/Q4_1/Q8_0/Q4_K) "
+                                  "without q/k/v biases, and the native kernels; use --runtime auto or eager")
+        if runtime == "eager" or not supported:
             return None
         return NativeDecoder(self.model, self.kv)
 
@@ -62,9 +68,18 @@ class Engine:
         return "eager" if self.runtime is None else "native"
 
     # -- admission ------------------------------------------------------------------------------
-    def check_prompt(self, n_prompt: int) -> None:
+    def check_prompt(self, ids: list[int]) -> None:
+        n_prompt = len(ids)
         if n_prompt == 0:
-            raise PromptTooLongError("the prompt is empty")
+            raise SlipstreamError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise SlipstreamError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        need = -(-min(n_prompt + 1, self.max_model_len) // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise SlipstreamError(f"the KV cache holds {self.kv.capacity_tokens} tokens, too few for a "
+                                  f"prompt of {n_prompt}")
         if n_prompt >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n_prompt} tokens but the context length is "
                                      f"{self.max_model_len} (room is needed for at least one new token)")
@@ -178,7 +193,7 @@ class Engine:
         """Generate for all requests; yields each step's events until every request is finished."""
         waiting = deque(requests)
         for r in waiting:
-            self.check_prompt(len(r.prompt_ids))
+            self.check_prompt(r.prompt_ids)
         running: list[Request] = []
         try:
             while waiting or running:
@@ -191,10 +206,12 @@ class Engine:
                         self._release(r)
                         events.append(StepEvent(r, "", []))
                         continue
+                    running.append(r)   # before prefill: if it raises, `finally` frees the blocks
                     events += self._sample([r], self._prefill(r))
-                    running.append(r)
                 if not running and waiting:
-                    raise RuntimeError("KV cache too small for the next request")
+                    r = waiting[0]
+                    raise SlipstreamError(f"the KV cache holds {self.kv.capacity_tokens} tokens, too few for "
+                                          f"a request of {self._budget(r)} (prompt + max_tokens)")
                 decoding = [r for r in running if not r.finished]
                 if decoding and not events:
                     events += self._sample(decoding, self._decode(decoding))
