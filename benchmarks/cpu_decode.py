@@ -65,6 +65,12 @@ FILLER = ("The history of the river valley is long and varied. Farmers grew whea
           "its banks, traders carried salt and cloth along its roads, and every spring the water "
           "rose and covered the low fields with fresh soil. ")
 CHILD_TIMEOUT_S = 1800
+# A gap between two tokens this many times the run's median gap counts as a stall.
+STALL_FACTOR = 4.0
+# Warn when stalls took more than this share of a run's decode time.
+STALL_WARN = 0.05
+# Warn when other processes used more than this many cores just before an engine starts.
+BUSY_WARN_CORES = 0.25
 
 
 # -- results --------------------------------------------------------------------------------------
@@ -84,6 +90,21 @@ class RunResult:
         n = len(self.stamps_s)
         dt = self.stamps_s[-1] - self.stamps_s[0] if n else 0.0
         return (n - 1) / dt if n >= 2 and dt > 0 else None
+
+    @property
+    def itls_s(self) -> list[float]:
+        """Inter-token latencies (gaps between consecutive token stamps)."""
+        return [b - a for a, b in zip(self.stamps_s, self.stamps_s[1:])]
+
+    @property
+    def stall_fraction(self) -> float:
+        """Share of the decode time spent in gaps over STALL_FACTOR x the median gap: a sign that
+        something else took the CPU (the harness cannot tell which, it can only warn)."""
+        itls = self.itls_s
+        if not itls:
+            return 0.0
+        med = statistics.median(itls)
+        return sum(g - med for g in itls if g > STALL_FACTOR * med) / sum(itls)
 
 
 @dataclass
@@ -109,11 +130,15 @@ def _summary(res: EngineResult) -> dict[str, Any]:
     """Median/min/max of the timed runs' decode tok/s and TTFT."""
     tps = [r.decode_tok_s for r in res.runs if r.decode_tok_s is not None]
     ttft = [r.ttft_s for r in res.runs]
+    itl = [statistics.median(r.itls_s) for r in res.runs if r.itls_s]
     out: dict[str, Any] = {"n_runs": len(res.runs), "n_tokens": [len(r.token_ids) for r in res.runs]}
     if tps:
         out["decode_tok_s"] = dict(zip(("median", "min", "max"), _median_min_max(tps)))
     if ttft:
         out["ttft_ms"] = dict(zip(("median", "min", "max"), (1e3 * v for v in _median_min_max(ttft))))
+    if itl:  # each run's median inter-token gap, then the median over runs: robust to stalls
+        out["itl_p50_ms"] = dict(zip(("median", "min", "max"), (1e3 * v for v in _median_min_max(itl))))
+    out["stall_fraction"] = [round(r.stall_fraction, 4) for r in res.runs]
     out["deterministic"] = len({tuple(r.token_ids) for r in res.runs}) <= 1
     return out
 
@@ -270,6 +295,49 @@ def package_missing(engine: str) -> bool:
     return importlib.util.find_spec(ENGINE_PACKAGES[engine]) is None
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs from /proc/stat, or None where there is none."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def other_cpu_load(seconds: float = 1.0) -> float | None:
+    """How many cores' worth of CPU other processes used over `seconds` (this one sleeps)."""
+    a = _cpu_times()
+    time.sleep(seconds)
+    b = _cpu_times()
+    if a is None or b is None or b[1] == a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1)
+
+
+class LoadWatch:
+    """CPU used by processes other than this one and its children, from its creation to a call."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.cpu0 = _cpu_times()
+        self.own0 = self._own_cpu_s()
+
+    @staticmethod
+    def _own_cpu_s() -> float:
+        import resource
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def other_cores(self) -> float | None:
+        """Mean number of cores the rest of the machine kept busy (counted after a child exits)."""
+        cpu1, wall = _cpu_times(), time.perf_counter() - self.t0
+        if self.cpu0 is None or cpu1 is None or wall <= 0:
+            return None
+        busy_s = (cpu1[0] - self.cpu0[0]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, (busy_s - (self._own_cpu_s() - self.own0)) / wall)
+
+
 def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineResult:
     """Run one engine in a fresh interpreter and read back its results."""
     if package_missing(engine):
@@ -281,14 +349,18 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
                "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                    HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+        watch = LoadWatch()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return EngineResult(engine, False, note=f"failed: timed out after {CHILD_TIMEOUT_S} s")
+        other = watch.other_cores()
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             return EngineResult(engine, False, note="failed (rc %d): %s" % (proc.returncode, " | ".join(tail)))
-        return EngineResult.from_dict(json.loads(out.read_text()))
+        res = EngineResult.from_dict(json.loads(out.read_text()))
+        res.info["other_cpu_load_during"] = other
+        return res
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> int:
@@ -336,21 +408,29 @@ def print_table(results: list[EngineResult], summaries: dict[str, dict[str, Any]
     ref_tps = ref.get("decode_tok_s", {}).get("median")
     ref_ttft = ref.get("ttft_ms", {}).get("median")
     print(f"{'engine':<14}{'decode tok/s (median [min-max])':<34}{'TTFT ms (median [min-max])':<30}"
-          f"{'slipstream ratio':<18}{'TTFT ratio':<10}")
+          f"{'ITL p50 ms':<12}{'slipstream ratio':<18}{'TTFT ratio':<10}")
     for res in results:
         if not res.ok:
             print(f"{res.engine:<14}{res.note}")
             continue
         s = summaries[res.engine]
-        tps, ttft = s.get("decode_tok_s"), s.get("ttft_ms")
+        tps, ttft, itl = s.get("decode_tok_s"), s.get("ttft_ms"), s.get("itl_p50_ms")
         ratio = tratio = ""
         if res.engine != "slipstream" and ref_tps and tps:
             ratio = f"{ref_tps / tps['median']:.2f} x"
         if res.engine != "slipstream" and ref_ttft and ttft:
             tratio = f"{ttft['median'] / ref_ttft:.2f} x"
-        print(f"{res.engine:<14}{_fmt_range(tps):<34}{_fmt_range(ttft):<30}{ratio:<18}{tratio:<10}")
+        itl_s = f"{itl['median']:.1f}" if itl else "-"
+        print(f"{res.engine:<14}{_fmt_range(tps):<34}{_fmt_range(ttft):<30}{itl_s:<12}{ratio:<18}{tratio:<10}")
     print("slipstream ratio = slipstream decode tok/s / peer's; TTFT ratio = peer's TTFT / slipstream's "
-          "(both > 1 when slipstream is faster)")
+          "(both > 1 when slipstream is faster); ITL p50 = median gap between tokens (median over runs)")
+    for name, s in summaries.items():
+        worst = max(s["stall_fraction"], default=0.0)
+        if worst > STALL_WARN:
+            print(f"warning: {name}: stalls (gaps > {STALL_FACTOR:g}x the median) took up to {100 * worst:.0f}% "
+                  f"of a run's decode time; another process probably competed for the CPU, so its "
+                  f"decode tok/s and TTFT are unreliable (ITL p50 is less affected by short stalls): "
+                  f"rerun on a quiet machine")
 
 
 def print_agreement(results: list[EngineResult], summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -391,13 +471,27 @@ def parent_main(args: argparse.Namespace) -> int:
         ids_file = Path(d) / "prompt_ids.json"
         ids_file.write_text(json.dumps(ids))
         for engine in engines:
-            print(f"running {engine} ...", flush=True)
+            if package_missing(engine):
+                results.append(EngineResult(engine, False, note=f"skipped: package "
+                                            f"{ENGINE_PACKAGES[engine]!r} is not installed"))
+                print(f"{engine}: {results[-1].note}")
+                continue
+            busy = other_cpu_load()
+            busy_s = "" if busy is None else f" (CPU busy before start: {busy:.2f} cores)"
+            print(f"running {engine} ...{busy_s}", flush=True)
+            if busy is not None and busy > BUSY_WARN_CORES:
+                print(f"  warning: other processes are using the CPU; {engine}'s numbers will be low")
             res = run_child(engine, args, ids_file)
+            res.info["other_cpu_load_before"] = busy
             results.append(res)
             if not res.ok:
                 print(f"  {res.note}")
-            else:
-                print(f"  loaded in {res.load_s:.1f} s; tokens per run: {[len(r.token_ids) for r in res.runs]}")
+                continue
+            other = res.info.get("other_cpu_load_during")
+            other_s = "" if other is None else f"; other processes used {other:.2f} cores meanwhile"
+            print(f"  loaded in {res.load_s:.1f} s; tokens per run: {[len(r.token_ids) for r in res.runs]}{other_s}")
+            if other is not None and other > BUSY_WARN_CORES:
+                print(f"  warning: {engine} shared the CPU with other processes; its numbers are unreliable")
     summaries = {r.engine: _summary(r) for r in results if r.ok and r.runs}
     print()
     print_table(results, summaries)

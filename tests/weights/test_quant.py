@@ -385,3 +385,11 @@ def test_unpermute_packed_rows_and_bias():
     assert back.fmt == Q4_0
     assert np.array_equal(back.dequantize().numpy(), w)
     assert np.array_equal(back.bias.numpy(), b)
+
+
+@needs_native
+def test_widen_equals_dequantize(lin: Linear):
+    """The native widening used for prefill gives GGUF's dequantized values exactly."""
+    from slipstream.kernels.cpu import load_library
+
+    assert torch.equal(lin.widen(load_library()), lin.dequantize())

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
 SOURCES = ["quant_matvec.c", "decode_ops.c"]
-FLAGS = ["-O3", "-march=native", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
+# reproduce GGUF's and torch's element-wise maths exactly
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 def _cpu_id() -> str:
@@ -63,6 +65,8 @@ def load_library() -> ctypes.CDLL | None:
     signatures = {
         "q4_matvec": [vp, i32, i32, vp, vp, vp, i32, vp, i32, vp],
         "q8_matvec": [vp, i32, i32, vp, vp, i32, vp, i32],
+        "q4_dequant": [vp, vp, vp, i32, i32, vp],
+        "q8_dequant": [vp, vp, i32, i32, vp],
         "rmsnorm": [vp, vp, i32, i32, f32, vp],
         "rope_store": [vp, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp, vp, vp],
         "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp],

@@ -123,3 +123,34 @@ void q8_matvec(const float *x, int B, int K, const int8_t *qs, const float *scal
         }
     }
 }
+
+// Dequantize to dense fp32 [N][K] (w = scale * q + min), for prefill: with many activation rows a
+// BLAS matrix product over the widened weights beats the matvec kernels, whose inner loop is
+// built for few rows. Same expression as GGUF's reference dequantization.
+void q4_dequant(const uint8_t *qs, const float *scale, const float *min, int N, int K, float *out) {
+    const int G = K / 32;
+    const __m512i low4 = _mm512_set1_epi32(15);
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        for (int g = 0; g < G; g++) {
+            const int64_t i = (int64_t)n * G + g;
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 16)));
+            const __m512 d = _mm512_set1_ps(scale[i]), m = _mm512_set1_ps(min[i]);
+            float *o = out + i * 32;
+            // d * q is exact (a 4-bit integer times an fp16-sized scale), so one rounding either way
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), m));
+            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m));
+        }
+    }
+}
+
+void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) {
+    const int64_t groups = (int64_t)N * (K / 32);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < groups; i++) {
+        const __m512 d = _mm512_set1_ps(scale[i]);
+        for (int j = 0; j < 32; j += 16)
+            _mm512_storeu_ps(out + i * 32 + j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 32 + j))))));
+    }
+}
