@@ -1,6 +1,7 @@
 // The small per-layer operators of a decode step, so a step is a few native calls per layer
 // instead of dozens of torch ops. Each has a torch reference in slipstream/models/llama.py
 // (the eager path) that tests compare against.
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,6 +52,21 @@ void rope_store(float *qkv, int T, int H, int KVH, int D, const float *cs, const
     }
 }
 
+// q . k over one head; vectorised by hand because without -ffast-math the compiler may not reorder
+// a float reduction (so it would stay scalar)
+static inline float dot(const float *a, const float *b, int d) {
+    int i = 0;
+    float s = 0.f;
+    if (d >= 16) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (i = 16; i + 16 <= d; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        s = _mm512_reduce_add_ps(acc);
+    }
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
 // Decode attention: one query token per sequence against its cached keys.
 // q: [S][H*D] (row stride q_stride floats); slots: the cache slots of every sequence's context,
 // concatenated; starts[s]..starts[s+1] delimits sequence s. out: [S][H*D].
@@ -69,10 +85,7 @@ void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, con
             float *p = n <= 1024 ? stack_buf : (float *)malloc(sizeof(float) * n);
             float mx = -INFINITY;
             for (int64_t j = 0; j < n; j++) {
-                const float *kj = kcache + (sl[j] * KVH + kvh) * D;
-                float dot = 0.f;
-                for (int i = 0; i < D; i++) dot += qh[i] * kj[i];
-                p[j] = dot * scale;
+                p[j] = dot(qh, kcache + (sl[j] * KVH + kvh) * D, D) * scale;
                 if (p[j] > mx) mx = p[j];
             }
             float sum = 0.f;
