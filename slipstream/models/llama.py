@@ -83,12 +83,6 @@ class LlamaModel:
             })
         self.inv_freq = rope_inv_freq(cfg, weights.get("rope_freqs"))
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of weights read by one decode step (embedding rows aside)."""
-        per_layer = sum(l[k].nbytes for l in self.layers for k in ("qkv", "o", "gate_up", "down"))
-        return per_layer + self.lm_head.nbytes
-
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         c = self.cfg
         return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)

@@ -100,21 +100,19 @@ def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _q4k_to_q4f32(raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    """Q4_K super-blocks (256 weights) -> Q4_F32 blocks of 32, values unchanged."""
+def _q4k_linear(raw: np.ndarray, n: int, k: int) -> Linear:
+    """Q4_K super-blocks (256 weights, 6-bit sub-block scales) -> groups of 32 with float32 scale
+    and min, values unchanged: d*sc and dmin*mn are exact in float32."""
     blocks = raw.reshape(n, k // 256, 144)
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sc, mn = _q4k_scales(blocks[..., 4:16])
-    scale = d[..., None] * sc.astype(np.float32)            # [n, k/256, 8], exact in fp32
-    minv = -(dmin[..., None] * mn.astype(np.float32))
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
+    minv = (-(dmin[..., None] * mn.astype(np.float32))).reshape(n, k // 32)
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)      # 64-weight chunks: low nibbles, then high
     codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 2, 16)
-    packed = codes[..., 0, :] | (codes[..., 1, :] << 4)    # our order: byte j = (j, j + 16)
-    out = np.empty((n, k // 256, 8, 24), np.uint8)
-    out[..., 0:4] = scale[..., None].view(np.uint8)
-    out[..., 4:8] = minv[..., None].view(np.uint8)
-    out[..., 8:] = packed
-    return out.reshape(n, -1)
+    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(n, k // 2)   # byte j = (j, j + 16)
+    return Linear(n, k, torch.from_numpy(np.ascontiguousarray(packed)), Q4_F32,
+                  torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minv)))
 
 
 def _linear_from_tensor(t: Any) -> Linear:
@@ -125,7 +123,7 @@ def _linear_from_tensor(t: Any) -> Linear:
     if qt in (QT.Q4_0, QT.Q4_1, QT.Q8_0):  # ggml's block layout is the kernels' layout
         return Linear.from_blocks(int(qt), raw.reshape(n, -1), n, k)
     if qt == QT.Q4_K:
-        return Linear.from_blocks(Q4_F32, _q4k_to_q4f32(raw, n, k), n, k)
+        return _q4k_linear(raw, n, k)
     return Linear.dense(torch.from_numpy(_dense(t).reshape(n, k)))
 
 

@@ -80,7 +80,4 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def native_available() -> bool:
-    try:
-        return load_library() is not None
-    except RuntimeError:
-        return False
+    return load_library() is not None
