@@ -17,7 +17,7 @@ import torch  # noqa: F401  (loads torch's libgomp first so the kernels share it
 SOURCES = ["quant_matvec.c", "decode_ops.c"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 
 
 def _cpu_id() -> str:

@@ -1,7 +1,9 @@
 // The small per-layer operators of a decode step, so a step is a few native calls per layer
 // instead of dozens of torch ops. Each has a torch reference in slipstream/models/llama.py
 // (the eager path) that tests compare against.
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,12 +59,14 @@ void rope_store(float *qkv, int T, int H, int KVH, int D, const float *cs, const
 static inline float dot(const float *a, const float *b, int d) {
     int i = 0;
     float s = 0.f;
+#ifdef __AVX512F__
     if (d >= 16) {
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
         for (i = 16; i + 16 <= d; i += 16)
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
         s = _mm512_reduce_add_ps(acc);
     }
+#endif
     for (; i < d; i++) s += a[i] * b[i];
     return s;
 }

@@ -16,10 +16,13 @@
 // row fetched once serves the whole chunk (prefill uses the same kernels).
 // If accumulate != 0 the result is added to y (fuses the residual add).
 #include <stdint.h>
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
 
 #define CHUNK 8
 
+#ifdef __AVX512F__
 static inline float dot_tail(__m512 acc, const float *a, const float *b, int G) {
     for (int h = 0; h < G; h += 16) {
         const __mmask16 k = G - h >= 16 ? 0xFFFF : (__mmask16)((1u << (G - h)) - 1);
@@ -66,6 +69,42 @@ static inline __attribute__((always_inline)) void q8_row(
     }
     for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
 }
+
+#else  // portable C (any CPU; the compiler vectorises what it can): same maths, same layout
+
+static inline __attribute__((always_inline)) void q4_row(
+    const uint8_t *row, const float *sc, const float *mn, int G, const float *x, int K,
+    const float *xs, const int nb, float *out) {
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)b * K;
+        float acc = 0.f, macc = 0.f;
+        for (int g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t v = row[g * 16 + j];
+                t += (float)(v & 15) * xb[g * 32 + j] + (float)(v >> 4) * xb[g * 32 + 16 + j];
+            }
+            acc += sc[g] * t;
+            macc += mn[g] * xs[(int64_t)b * G + g];
+        }
+        out[b] = acc + macc;
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_row(
+    const int8_t *row, const float *sc, int G, const float *x, int K, const int nb, float *out) {
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)b * K;
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int j = 0; j < 32; j++) t += (float)row[g * 32 + j] * xb[g * 32 + j];
+            acc += sc[g] * t;
+        }
+        out[b] = acc;
+    }
+}
+#endif
 
 // A switch over the chunk size so each case is compiled with a constant row count.
 #define BY_CHUNK(nb, CALL) switch (nb) { \
@@ -128,18 +167,23 @@ void q8_matvec(const float *x, int B, int K, const int8_t *qs, const float *scal
 // BLAS matrix product over the widened weights beats the matvec kernels, whose inner loop is
 // built for few rows. Same expression as GGUF's reference dequantization.
 void q4_dequant(const uint8_t *qs, const float *scale, const float *min, int N, int K, float *out) {
-    const int G = K / 32;
-    const __m512i low4 = _mm512_set1_epi32(15);
+    const int64_t groups = (int64_t)N * (K / 32);
 #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        for (int g = 0; g < G; g++) {
-            const int64_t i = (int64_t)n * G + g;
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 16)));
-            const __m512 d = _mm512_set1_ps(scale[i]), m = _mm512_set1_ps(min[i]);
-            float *o = out + i * 32;
-            // d * q is exact (a 4-bit integer times an fp16-sized scale), so one rounding either way
-            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), m));
-            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), m));
+    for (int64_t i = 0; i < groups; i++) {
+        const float d = scale[i], m = min[i];
+        float *o = out + i * 32;
+        // d * q is exact (a 4-bit integer times an fp16-sized scale): one rounding, as in GGUF
+#ifdef __AVX512F__
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 16)));
+        const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15)))), mv));
+        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), mv));
+        continue;
+#endif
+        for (int j = 0; j < 16; j++) {
+            const uint8_t v = qs[i * 16 + j];
+            o[j] = d * (float)(v & 15) + m;
+            o[j + 16] = d * (float)(v >> 4) + m;
         }
     }
 }
@@ -148,9 +192,13 @@ void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) 
     const int64_t groups = (int64_t)N * (K / 32);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < groups; i++) {
+#ifdef __AVX512F__
         const __m512 d = _mm512_set1_ps(scale[i]);
         for (int j = 0; j < 32; j += 16)
             _mm512_storeu_ps(out + i * 32 + j, _mm512_mul_ps(d, _mm512_cvtepi32_ps(
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + i * 32 + j))))));
+#else
+        for (int j = 0; j < 32; j++) out[i * 32 + j] = scale[i] * (float)qs[i * 32 + j];
+#endif
     }
 }
