@@ -6,13 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import skip_unless_default_model
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.errors import ModelLoadError, PromptTooLongError, SlipstreamError
+from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import SeqSlice, StepInput
-from slipstream.weights import default_model_path
 
 GREEDY = dict(temperature=0)
 PROMPTS = ["The capital of France is", "def quicksort(arr):"]
@@ -37,10 +37,7 @@ def _make(**kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    try:
-        default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+    skip_unless_default_model()
     return _make()
 
 

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import skip_unless_default_model
 
 import slipstream
 from slipstream import LLM, SamplingParams
-from slipstream.errors import ModelLoadError
-from slipstream.weights import default_model_path
 
 TIMEOUT = 300
 PROMPT = "The three primary colors are"
@@ -34,10 +33,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    try:
-        default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+    skip_unless_default_model()
     return LLM()
 
 

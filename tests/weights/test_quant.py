@@ -105,6 +105,17 @@ def reference(x: torch.Tensor, lin: Linear) -> torch.Tensor:
     return y if lin.bias is None else y + lin.bias.double()
 
 
+def assert_product_and_accumulate(lin: Linear, rows: int, seed: int) -> None:
+    """lin(x) and lin(x, out=base, accumulate=True) both match the float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, lin.k, generator=g)
+    assert_rel(lin(x), reference(x, lin))
+    base = torch.randn(rows, lin.n, generator=g)
+    out = base.clone()
+    lin(x, out=out, accumulate=True)
+    assert_rel(out, reference(x, lin) + base.double())
+
+
 def assert_rel(y: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
     assert y.dtype == torch.float32 and y.shape == ref.shape
     err = (y.double() - ref).abs().max().item()
@@ -174,13 +185,7 @@ def test_native_accumulate(lin: Linear, rows: int):
 def test_native_bias(rows: int):
     lin = random_linear(Q4_1, seed=9)
     lin.bias = torch.linspace(-1, 1, lin.n)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, lin.k, generator=g)
-    assert_rel(lin(x), reference(x, lin))
-    base = torch.randn(rows, lin.n, generator=g)
-    out = base.clone()
-    lin(x, out=out, accumulate=True)
-    assert_rel(out, reference(x, lin) + base.double())
+    assert_product_and_accumulate(lin, rows, seed=rows)
 
 
 @needs_native
@@ -194,17 +199,11 @@ def test_native_non_contiguous_input(lin: Linear):
 def test_fallback_without_native(lin: Linear, rows: int, monkeypatch):
     """Without a C compiler the product is a dense matmul over the dequantized weight."""
     monkeypatch.setattr(quant, "load_library", lambda: None)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, lin.k, generator=g)
-    assert_rel(lin(x), reference(x, lin))
-    base = torch.randn(rows, lin.n, generator=g)
-    out = base.clone()
-    lin(x, out=out, accumulate=True)
-    assert_rel(out, reference(x, lin) + base.double())
+    assert_product_and_accumulate(lin, rows, seed=rows)
 
 
 def test_fallback_when_kernel_build_fails(monkeypatch, tmp_path):
-    """A compiler that fails (as on a CPU without AVX-512): a warning, then the torch path."""
+    """A compiler that fails (or is missing): a warning, then the torch path."""
     from slipstream.kernels.cpu import build
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
