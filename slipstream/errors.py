@@ -11,3 +11,7 @@ class ModelLoadError(SlipstreamError):
 
 class PromptTooLongError(SlipstreamError):
     pass
+
+
+class QueueFullError(SlipstreamError):
+    """The engine's waiting queue is full: the caller should retry later (HTTP 503)."""

@@ -1,24 +1,32 @@
-"""The generation loop: admit requests, prefill them in chunks, decode them together, stream text.
+"""The generation loop: continuous batching over a paged, prefix-cached KV store.
 
-This is the engine in its first form: requests given up front are admitted while KV blocks and
-batch slots allow (each reserves the blocks its prompt + max_tokens can fill, so a running request
-never runs out), prefilled one by one in chunks, then decoded as one batch per step. Every step
-yields what each request produced, so callers can stream.
+`add_request` queues a request (or merges it into an identical one in flight); every `step()` asks
+the scheduler which requests run, executes one decode batch (one new token for every running
+sequence, through the native CPU step where it applies) and one batch of prompt chunks (eager
+path), samples, and returns what each request produced, so callers can stream. Requests join and
+leave the batch at every step. The engine is single-threaded: the server drives it from one
+thread (server/async_engine.py), the offline API through `run()`.
+
+Request merging: two requests in flight with the same prompt tokens and the same sampling
+parameters, where sampling is deterministic (greedy, or seeded), would produce the same tokens.
+The second one becomes a *follower* of the first: it is never scheduled, and every event of the
+first is copied to it. If the first one's caller leaves, the computation goes on for the others.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import Sampler, make_generator
+from slipstream.engine.sampling import Sampler, TokenLogprobs, make_generator
+from slipstream.engine.scheduler import Scheduler, StepPlan
 from slipstream.errors import PromptTooLongError, SlipstreamError
-from slipstream.kv.blocks import SequenceKV
+from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
+from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30
 
@@ -27,27 +35,53 @@ KV_BUDGET_BYTES = 1 << 30
 class StepEvent:
     request: Request
     text: str              # newly final text (stop strings are never part of it)
-    token_ids: list[int]   # tokens sampled this step
+    token_ids: list[int]   # tokens added to the output by this event
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token when asked for
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    merged_requests: int
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_in_use / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, block_size: int = 16, max_batch: int = 8,
-                 prefill_chunk: int = 512, runtime: str = "auto"):
+                 prefill_chunk: int = 512, runtime: str = "auto", max_waiting: int | None = None,
+                 enable_prefix_cache: bool = True, enable_merging: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
         if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
             raise SlipstreamError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise SlipstreamError(f"{name} must be an integer >= 1, got {v!r}")
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         if kv_cache_tokens is None:
             kv_cache_tokens = max(self.max_model_len, min(2 * self.max_model_len, KV_BUDGET_BYTES // per_token))
         self.kv = model.new_kv_cache(-(-kv_cache_tokens // block_size), block_size)
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(self.kv, enabled=enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, self.prefix_cache, max_batch, prefill_chunk, max_waiting)
+        self.enable_merging = enable_merging
         self.sampler = Sampler()
         self.runtime = self._pick_runtime(runtime)
+        self.requests: dict[str, Request] = {}     # in flight, followers included
+        self._merge_index: dict[tuple, Request] = {}
+        self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
+        self.num_merged = 0
 
     def _pick_runtime(self, runtime: str):
         """The decode step's executor: the native CPU step where it applies, else eager torch."""
@@ -67,7 +101,15 @@ class Engine:
     def runtime_name(self) -> str:
         return "eager" if self.runtime is None else "native"
 
-    # -- admission ------------------------------------------------------------------------------
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.scheduler.prefill_chunk
+
+    # -- requests in and out --------------------------------------------------------------------
     def check_prompt(self, ids: list[int]) -> None:
         n_prompt = len(ids)
         if n_prompt == 0:
@@ -76,40 +118,117 @@ class Engine:
         bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
         if bad is not None:
             raise SlipstreamError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
-        need = -(-min(n_prompt + 1, self.max_model_len) // self.kv.block_size)
-        if need > self.kv.num_blocks:
-            raise SlipstreamError(f"the KV cache holds {self.kv.capacity_tokens} tokens, too few for a "
-                                  f"prompt of {n_prompt}")
         if n_prompt >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {n_prompt} tokens but the context length is "
                                      f"{self.max_model_len} (room is needed for at least one new token)")
+        need = -(-(n_prompt + 1) // self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise SlipstreamError(f"the KV cache holds {self.kv.capacity_tokens} tokens, too few for a "
+                                  f"prompt of {n_prompt}")
 
-    def _budget(self, r: Request) -> int:
-        return min(len(r.prompt_ids) + r.params.max_tokens, self.max_model_len)
+    @staticmethod
+    def _merge_key(r: Request) -> tuple | None:
+        p = r.params
+        if not (p.greedy or p.seed is not None):
+            return None
+        return (tuple(r.prompt_ids), repr(p))
 
-    def _try_admit(self, r: Request) -> bool:
-        need = -(-self._budget(r) // self.kv.block_size)
-        if need > self.kv.allocator.num_free:
-            return False
-        r.kv = SequenceKV(self.kv)
-        r.kv.reserve(self._budget(r))
+    def add_request(self, r: Request) -> None:
+        """Queue a request (validated first); raises SlipstreamError subclasses on bad input."""
+        self.check_prompt(r.prompt_ids)
+        if r.request_id in self.requests:
+            raise SlipstreamError(f"request id {r.request_id!r} is already in flight")
+        key = self._merge_key(r) if self.enable_merging else None
+        primary = self._merge_index.get(key) if key is not None else None
+        if primary is not None and not primary.finished:
+            self._follow(r, primary)
+            return
+        if r.params.max_tokens == 0:
+            r.finish_reason = "length"
+            r.metrics.scheduled = r.metrics.finished = time.perf_counter()
+            self._pending.append(StepEvent(r, "", []))
+            return
+        self.scheduler.add(r)            # may raise QueueFullError
         r.generator = make_generator(r.params.seed)
         r.detok = self.tokenizer.detokenizer()
-        return True
+        self.requests[r.request_id] = r
+        if key is not None:
+            self._merge_index[key] = r
 
-    # -- steps ----------------------------------------------------------------------------------
-    def _prefill(self, r: Request) -> torch.Tensor:
-        ids = r.prompt_ids
-        logits = None
-        for start in range(0, len(ids), self.prefill_chunk):
-            end = min(start + self.prefill_chunk, len(ids))
-            n = end - start
-            step = StepInput(torch.tensor(ids[start:end]), torch.arange(start, end),
-                             r.kv.slots(start, end), [self._seq_slice(r, 0, n, end)],
-                             torch.tensor([n - 1]))
-            logits = self.model.forward(step, self.kv)
-        r.kv.num_tokens = len(ids)
-        return logits
+    def _follow(self, r: Request, primary: Request) -> None:
+        r.merged_into = primary
+        primary.followers.append(r)
+        self.requests[r.request_id] = r
+        self.num_merged += 1
+        if r.priority < primary.priority:     # the shared computation runs at its best caller's priority
+            self.scheduler.reprioritize(primary, r.priority)
+        r.metrics.scheduled = primary.metrics.scheduled
+        if primary.output_ids:   # catch up with what the primary has produced so far
+            self._mirror(primary, r)
+            self._pending.append(StepEvent(r, primary.text[:primary.emitted], list(primary.output_ids),
+                                           list(primary.logprobs) if primary.params.logprobs is not None else []))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its caller left): its blocks are freed and it produces no more events."""
+        r = self.requests.pop(request_id, None)
+        if r is None or r.finished:
+            return
+        r.finish_reason = "abort"
+        r.metrics.finished = time.perf_counter()
+        primary = r.merged_into
+        if primary is not None:
+            primary.followers.remove(r)
+            if primary.detached and not primary.followers:
+                self._drop(primary)
+        elif r.followers:
+            r.finish_reason = None          # keeps computing for the followers
+            r.detached = True
+        else:
+            self._drop(r)
+
+    def _drop(self, r: Request) -> None:
+        if r.finish_reason is None:
+            r.finish_reason = "abort"
+        self.scheduler.remove(r)
+        self.requests.pop(r.request_id, None)
+        self._unindex(r)
+
+    def _unindex(self, r: Request) -> None:
+        key = self._merge_key(r)
+        if key is not None and self._merge_index.get(key) is r:
+            del self._merge_index[key]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.kv.num_blocks, self.kv.allocator.num_in_use,
+                           self.prefix_cache.queried_tokens, self.prefix_cache.hit_tokens,
+                           self.num_merged, s.num_preemptions)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Run one scheduler step; returns the events of every request that produced something."""
+        events, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        for r in plan.out_of_kv:   # a lone sequence has filled the whole cache
+            r.finish_reason = "length"
+            events += self._emit(r, self._finish_text(r, time.perf_counter()), [], [])
+        if plan.decode:
+            events += self._sample(plan.decode, self._decode(plan.decode))
+        if plan.prefill:
+            events += self._prefill(plan)
+        for r in [r for r in self.scheduler.running if r.finished]:
+            self._retire(r)
+        return events
+
+    def _retire(self, r: Request) -> None:
+        self.scheduler.remove(r)
+        self.requests.pop(r.request_id, None)
+        for f in r.followers:
+            self.requests.pop(f.request_id, None)
+        self._unindex(r)
 
     def _seq_slice(self, r: Request, row: int, n: int, context: int) -> SeqSlice:
         rng = r.kv.contiguous_range(context)
@@ -128,15 +247,59 @@ class Engine:
         logits = self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
         for r in batch:
             r.kv.num_tokens += 1
+            self._commit_blocks(r)
         return logits
+
+    def _prefill(self, plan: StepPlan) -> list[StepEvent]:
+        """The planned prompt chunks, batched; sample the requests whose prompt is complete.
+
+        Chunks of at least DENSE_FROM_ROWS tokens run together through the BLAS path, shorter
+        ones together through the matvec kernels: each chunk is computed exactly as it would be
+        alone (both paths are row-invariant), so batching never changes a request's tokens.
+        """
+        long = [c for c in plan.prefill if c[2] - c[1] >= DENSE_FROM_ROWS]
+        short = [c for c in plan.prefill if c[2] - c[1] < DENSE_FROM_ROWS]
+        events = self._prefill_group(long) if long else []
+        if short:
+            with matvec_only():
+                events += self._prefill_group(short)
+        return events
+
+    def _prefill_group(self, chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
+        tokens, positions, slots, seqs, rows, done = [], [], [], [], [], []
+        row = 0
+        for r, start, end in chunks:
+            ids = r.all_token_ids
+            tokens += ids[start:end]
+            positions.append(torch.arange(start, end))
+            slots.append(r.kv.slots(start, end))
+            seqs.append(self._seq_slice(r, row, end - start, end))
+            row += end - start
+            if end == r.prefill_target and not r.output_ids:
+                rows.append(row - 1)
+                done.append(r)
+        step = StepInput(torch.tensor(tokens), torch.cat(positions), torch.cat(slots), seqs,
+                         torch.tensor(rows, dtype=torch.long))
+        logits = self.model.forward(step, self.kv)
+        for r, _, end in chunks:
+            r.kv.num_tokens = end
+            self._commit_blocks(r)
+        return self._sample(done, logits) if done else []
+
+    def _commit_blocks(self, r: Request) -> None:
+        if r.kv.num_tokens // self.kv.block_size > r.kv.num_hashed_blocks:
+            self.prefix_cache.commit(r.kv, r.all_token_ids)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[StepEvent]:
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
                            [r.output_ids for r in batch], [r.generator for r in batch])
         now = time.perf_counter()
-        return [self._append(r, t, lp, now) for r, t, lp in zip(batch, res.token_ids, res.logprobs)]
+        events: list[StepEvent] = []
+        for r, t, lp in zip(batch, res.token_ids, res.logprobs):
+            events += self._append(r, t, lp, now)
+        return events
 
-    def _append(self, r: Request, tok: int, lp, now: float) -> StepEvent:
+    def _append(self, r: Request, tok: int, lp: TokenLogprobs | None, now: float) -> list[StepEvent]:
         p = r.params
         if r.metrics.first_token is None:
             r.metrics.first_token = now
@@ -152,6 +315,10 @@ class Engine:
             self._check_stop_strings(r, before)
         if r.finish_reason is None and (len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len):
             r.finish_reason = "length"
+        return self._emit(r, self._finish_text(r, now), [tok], [lp] if lp is not None else [])
+
+    def _finish_text(self, r: Request, now: float) -> str:
+        """Text that became final with this event (flushes the detokenizer when the request ends)."""
         if r.finished:
             if r.finish_reason == "length":
                 before = len(r.text)
@@ -161,7 +328,22 @@ class Engine:
         end = len(r.text) if r.finished else len(r.text) - self._held_back(r)
         delta = r.text[r.emitted:end] if end > r.emitted else ""
         r.emitted = max(r.emitted, end)
-        return StepEvent(r, delta, [tok])
+        return delta
+
+    def _emit(self, r: Request, text: str, toks: list[int], lps: list[TokenLogprobs]) -> list[StepEvent]:
+        """The event for the request itself (unless its caller left) and a copy for each follower."""
+        out = [] if r.detached else [StepEvent(r, text, toks, lps)]
+        for f in r.followers:
+            self._mirror(r, f)
+            out.append(StepEvent(f, text, list(toks), list(lps)))
+        return out
+
+    @staticmethod
+    def _mirror(r: Request, f: Request) -> None:
+        f.output_ids, f.logprobs = r.output_ids, r.logprobs   # shared: the same tokens
+        f.text, f.emitted, f.finish_reason = r.text, r.emitted, r.finish_reason
+        f.metrics.first_token, f.metrics.finished = r.metrics.first_token, r.metrics.finished
+        f.metrics.num_output_tokens = r.metrics.num_output_tokens
 
     @staticmethod
     def _check_stop_strings(r: Request, before: int) -> None:
@@ -183,42 +365,20 @@ class Engine:
                     break
         return held
 
-    def _release(self, r: Request) -> None:
-        if r.kv is not None:
-            r.kv.release()
-            r.kv = None
-
-    # -- the loop -------------------------------------------------------------------------------
+    # -- offline loop ---------------------------------------------------------------------------
     def run(self, requests: Iterable[Request]) -> Iterator[list[StepEvent]]:
-        """Generate for all requests; yields each step's events until every request is finished."""
-        waiting = deque(requests)
-        for r in waiting:
+        """Generate for all requests; yields each step's events until every one is finished."""
+        requests = list(requests)
+        for r in requests:
             self.check_prompt(r.prompt_ids)
-        running: list[Request] = []
         try:
-            while waiting or running:
-                events: list[StepEvent] = []
-                while waiting and len(running) < self.max_batch and self._try_admit(waiting[0]):
-                    r = waiting.popleft()
-                    if r.params.max_tokens == 0:
-                        r.finish_reason = "length"
-                        r.metrics.finished = time.perf_counter()
-                        self._release(r)
-                        events.append(StepEvent(r, "", []))
-                        continue
-                    running.append(r)   # before prefill: if it raises, `finally` frees the blocks
-                    events += self._sample([r], self._prefill(r))
-                if not running and waiting:
-                    r = waiting[0]
-                    raise SlipstreamError(f"the KV cache holds {self.kv.capacity_tokens} tokens, too few for "
-                                          f"a request of {self._budget(r)} (prompt + max_tokens)")
-                decoding = [r for r in running if not r.finished]
-                if decoding and not events:
-                    events += self._sample(decoding, self._decode(decoding))
-                for r in [r for r in running if r.finished]:
-                    self._release(r)
-                    running.remove(r)
-                yield events
+            for r in requests:
+                self.add_request(r)
+            while not all(r.finished for r in requests):
+                yield self.step()
+            if self._pending:
+                yield self.step()
         finally:  # a caller that stops iterating (a closed stream) gives its blocks back
-            for r in running:
-                self._release(r)
+            for r in requests:
+                if not r.finished:
+                    self.abort(r.request_id)

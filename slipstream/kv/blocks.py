@@ -1,11 +1,17 @@
-"""Paged KV cache: fixed-size blocks of token slots, a free list, and a block table per sequence.
+"""Paged KV cache: fixed-size blocks of token slots, reference-counted, and a block table per sequence.
 
 K and V for every layer live in two tensors indexed by *slot* (block * block_size + offset), so a
 sequence's cache is wherever its block table points. When a sequence's blocks happen to be
 consecutive (the common case on a quiet server) attention reads a plain slice instead of gathering.
+
+Blocks are reference-counted so that sequences can share the full blocks of a common prefix (see
+`prefix_cache.py`). A block whose count drops to zero but whose content is registered in the
+prefix cache is not wiped: it waits in an LRU list, still findable by its hash, and is only
+recycled when no never-used block is left.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -21,26 +27,67 @@ class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._cached_free: OrderedDict[int, None] = OrderedDict()    # ref 0 but content cached; LRU first
         self.ref_count = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}       # block -> content hash (registered blocks only)
+        self.block_of: dict[int, int] = {}      # content hash -> block
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now (never used, or cached and unreferenced)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"KV cache full: need {n} blocks, {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        for b in out:
+        if n > self.num_free:
+            raise OutOfBlocks(f"KV cache full: need {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:  # recycle the least recently used cached block: its content is forgotten
+                b, _ = self._cached_free.popitem(last=False)
+                del self.block_of[self.hash_of.pop(b)]
             self.ref_count[b] = 1
+            out.append(b)
         return out
 
+    def share(self, block: int) -> None:
+        """One more sequence reads this (cached) block."""
+        if self.ref_count[block] == 0:
+            del self._cached_free[block]
+        self.ref_count[block] += 1
+
     def free(self, blocks: list[int]) -> None:
+        released = False
         for b in blocks:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                self._free.append(b)
-        # keep low ids at the end so new sequences get consecutive blocks again
+                if b in self.hash_of:
+                    self._cached_free[b] = None
+                else:
+                    self._free.append(b)
+                    released = True
+        if released:  # keep low ids at the end so new sequences get consecutive blocks again
+            self._free.sort(reverse=True)
+
+    def register(self, block: int, content_hash: int) -> None:
+        """Make a full block findable by the hash of its tokens (and of every token before them)."""
+        if content_hash in self.block_of or block in self.hash_of:
+            return  # an identical block is already cached (computed twice concurrently): keep the first
+        self.block_of[content_hash] = block
+        self.hash_of[block] = content_hash
+
+    def reset_cache(self) -> None:
+        """Forget every cached block's content (unreferenced ones become plain free blocks)."""
+        for b in self._cached_free:
+            self._free.append(b)
+        self._cached_free.clear()
+        self.hash_of.clear()
+        self.block_of.clear()
         self._free.sort(reverse=True)
 
 
@@ -61,19 +108,23 @@ class PagedKVCache:
         return self.num_blocks * self.block_size
 
     def usage(self) -> float:
-        return 1.0 - self.allocator.num_free / self.num_blocks
+        return self.allocator.num_in_use / self.num_blocks
 
 
 @dataclass
 class SequenceKV:
-    """The blocks one sequence owns and how many of its slots hold tokens."""
+    """The blocks one sequence holds and how many of its slots hold computed tokens."""
     cache: PagedKVCache
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    num_hashed_blocks: int = 0    # leading full blocks already registered in the prefix cache
+    last_hash: int | None = None  # hash of the last registered block (the chain's parent)
+
+    def blocks_needed(self, total_tokens: int) -> int:
+        return max(0, -(-total_tokens // self.cache.block_size) - len(self.block_table))
 
     def reserve(self, total_tokens: int) -> None:
-        bs = self.cache.block_size
-        need = -(-total_tokens // bs) - len(self.block_table)
+        need = self.blocks_needed(total_tokens)
         if need > 0:
             self.block_table += self.cache.allocator.allocate(need)
 
@@ -96,3 +147,5 @@ class SequenceKV:
         self.cache.allocator.free(self.block_table)
         self.block_table = []
         self.num_tokens = 0
+        self.num_hashed_blocks = 0
+        self.last_hash = None

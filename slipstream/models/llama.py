@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import PagedKVCache
-from slipstream.weights.quant import Linear, concat_rows
+from slipstream.weights.quant import Linear, concat_rows, matvec_only
 
 
 @dataclass
@@ -155,4 +155,5 @@ class LlamaModel:
             L["down"](act, out=x, accumulate=True)
         last = x.index_select(0, step.logits_rows)
         last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
-        return self.lm_head(last)
+        with matvec_only():   # a sequence's logits must not depend on how many share the step
+            return self.lm_head(last)

@@ -11,7 +11,10 @@ dequantization bit for bit, and the kernels multiply the packed codes with fp32 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -24,6 +27,21 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_K"}
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
 # kernels re-expand every weight group per 8 rows, a dense GEMM tiles far better.
 DENSE_FROM_ROWS = 32
+# Both paths are row-invariant (a row's result does not depend on the other rows), but they round
+# differently. The engine pins short prompt chunks and the LM head to the kernel path so that a
+# request's tokens do not depend on what else shares its step (batch invariance).
+_path = threading.local()
+
+
+@contextlib.contextmanager
+def matvec_only() -> Iterator[None]:
+    """Within this block packed products use the matvec kernels whatever the number of rows."""
+    old = getattr(_path, "matvec_only", False)
+    _path.matvec_only = True
+    try:
+        yield
+    finally:
+        _path.matvec_only = old
 
 
 def _f16_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -133,7 +151,7 @@ class Linear:
             return out.add_(y) if accumulate else out.copy_(y)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
-        if rows >= DENSE_FROM_ROWS:
+        if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
             y = torch.nn.functional.linear(x, self.widen(lib), self.bias)
             if out is None:
                 return y
