@@ -30,7 +30,7 @@ bench-deps: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
 	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-	  $(BIN)/pip install -q llama-cpp-python==0.3.36
+	  $(BIN)/pip install -q "llama-cpp-python[server]==0.3.36"
 
 bench-cpu: bench-deps
 	$(BIN)/python benchmarks/cpu_decode.py

@@ -50,7 +50,8 @@ def _output(r: Request) -> RequestOutput:
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, max_batch: int = 8, prefill_chunk: int = 512,
-                 runtime: str = "auto"):
+                 runtime: str = "auto", max_waiting: int | None = None, enable_prefix_cache: bool = True,
+                 enable_merging: bool = True):
         t0 = time.perf_counter()
         loaded = load_model(model)
         self.model_name = loaded.name
@@ -59,7 +60,8 @@ class LLM:
         self.model = LlamaModel(loaded.config, loaded.weights)
         self.engine = Engine(self.model, self.tokenizer, max_model_len=max_model_len,
                              kv_cache_tokens=kv_cache_tokens, max_batch=max_batch,
-                             prefill_chunk=prefill_chunk, runtime=runtime)
+                             prefill_chunk=prefill_chunk, runtime=runtime, max_waiting=max_waiting,
+                             enable_prefix_cache=enable_prefix_cache, enable_merging=enable_merging)
         self.load_time_s = time.perf_counter() - t0
 
     @property

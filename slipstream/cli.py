@@ -1,4 +1,4 @@
-"""Command line: `slipstream generate|chat [MODEL] ...`.
+"""Command line: `slipstream generate|chat|serve [MODEL] ...`.
 
 User errors (a missing model file, an unsupported architecture or quant type, a prompt longer than
 the context, bad sampling parameters) print one line, `error: ...`, and exit with code 2.
@@ -55,6 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(c)
     c.add_argument("--system", default=None, help="system message")
     _sampling_args(c, 512)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $SLIPSTREAM_API_KEY; none if unset)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL's)")
+    s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="most requests queued for a batch slot; past it requests get 503")
+    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    s.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: no limit)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+
+    from slipstream.bench.cli import add_parser as add_bench_parser   # argparse only: no heavy imports
+    add_bench_parser(sub)
     return parser
 
 
@@ -153,6 +173,46 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"\n[{len(last.request.output_ids) if last else 0} tokens, TTFT {ttft}, {speed}]", file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    if not 0 <= args.port <= 65535:
+        raise SlipstreamError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_batch", "max_waiting", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            raise SlipstreamError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        raise SlipstreamError(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
+    if args.drain_timeout is not None and args.drain_timeout < 0:
+        raise SlipstreamError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    try:   # fail before loading the model if the address is taken
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((args.host, args.port))
+    except OSError as e:
+        raise SlipstreamError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    try:
+        from slipstream.server.app import run_server
+    except ImportError as e:
+        raise SlipstreamError(f"the server needs fastapi, uvicorn and prometheus-client ({e.name or e} is missing): "
+                              f"pip install fastapi uvicorn prometheus-client") from None
+    from slipstream.api import LLM
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SLIPSTREAM_API_KEY") or None
+    t0 = time.perf_counter()
+    llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
+              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, runtime=args.runtime,
+              max_waiting=args.max_waiting)
+    print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
+          f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
+          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
+    run_server(llm, host=args.host, port=args.port, api_key=api_key, served_model_name=args.served_model_name,
+               log_level=args.log_level, access_log=not args.no_access_log, drain_timeout=args.drain_timeout)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -164,7 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        if args.command == "bench":
+            from slipstream.bench.cli import run as run_bench
+            return run_bench(args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
     except SlipstreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

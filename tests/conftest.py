@@ -1,15 +1,1 @@
-"""Shared test helpers."""
-from __future__ import annotations
-
-import pytest
-
-from slipstream.errors import ModelLoadError
-from slipstream.weights import default_model_path
-
-
-def skip_unless_default_model() -> None:
-    """Skip the calling test or fixture when the embedded default model is not installed."""
-    try:
-        default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
+"""Root of the tests: puts this folder on sys.path (pytest's prepend mode), so `support` imports."""

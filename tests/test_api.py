@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import skip_unless_default_model
+from support import skip_unless_default_model
 import torch
 
 from slipstream import LLM, SamplingParams

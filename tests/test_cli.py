@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import skip_unless_default_model
+from support import skip_unless_default_model
 
 import slipstream
 from slipstream import LLM, SamplingParams

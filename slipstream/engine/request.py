@@ -40,7 +40,7 @@ class RequestMetrics:
         return (self.num_output_tokens - 1) / dt if dt > 0 else None
 
 
-@dataclass
+@dataclass(eq=False)   # identity, not field equality: two identical requests are two requests
 class Request:
     prompt_ids: list[int]
     params: SamplingParams

@@ -5,7 +5,7 @@ stays in use afterwards."""
 from __future__ import annotations
 
 import pytest
-from conftest import skip_unless_default_model
+from support import skip_unless_default_model
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.engine import Engine

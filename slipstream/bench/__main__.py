@@ -1,0 +1,5 @@
+import sys
+
+from slipstream.bench.cli import main
+
+sys.exit(main())

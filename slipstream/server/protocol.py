@@ -1,0 +1,324 @@
+"""Request models of the OpenAI-compatible API, their validation, and OpenAI-shaped errors.
+
+Requests are validated strictly, as OpenAI does: a wrong type is not coerced ("2" is not an
+integer), unknown fields are rejected ("Unrecognized request argument supplied: foo"), and every
+problem becomes a 400 naming the parameter. vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, priority) are accepted at the top level.
+Responses are built as plain dicts by the app (they are written once per token when streaming).
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from slipstream.engine.sampling import MAX_LOGPROBS
+
+MAX_STOP_SEQUENCES = 4          # as OpenAI
+MAX_N = 128                     # as OpenAI
+MAX_COMPLETION_LOGPROBS = 5     # the legacy completions API's limit
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+class APIError(Exception):
+    """An error returned to the client as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+# -- models -------------------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    # tool / function messages are not supported (no tool calling): rejected as a bad role
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    # what an assistant message read back from a response carries (so a client can append it to
+    # the history as it is); only empty values are accepted
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None:
+            raise ValueError("a message needs content (a string or a list of text parts)")
+        if self.tool_calls or self.function_call or self.audio:
+            raise ValueError("tool calls and audio in messages are not supported")
+        return self
+
+    def as_template_message(self) -> dict[str, str]:
+        """The message as a chat template expects it: content joined into one string."""
+        content = self.content
+        text = content if isinstance(content, str) else "\n".join(p.text for p in content or [])
+        msg = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by chat and completions requests."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+
+    @model_validator(mode="after")
+    def _common_checks(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options", "The 'stream_options' parameter is only allowed when "
+                                                "'stream' is enabled.")
+        if self.logit_bias:
+            raise _FieldError("logit_bias", "logit_bias is not supported")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments, except max_tokens, seed and logprobs."""
+        kw: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "stop": self.stop,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.top_p is not None:
+            kw["top_p"] = self.top_p
+        if self.top_k is not None:
+            kw["top_k"] = self.top_k
+        if self.min_p is not None:
+            kw["min_p"] = self.min_p
+        if self.repetition_penalty is not None:
+            kw["repetition_penalty"] = self.repetition_penalty
+        if self.stop_token_ids:
+            kw["stop_token_ids"] = self.stop_token_ids
+        return kw
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _chat_checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise _FieldError("tools", "tools (function calling) are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _FieldError("tool_choice", "tool_choice is not supported (no tools)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise _FieldError("response_format", "only response_format {\"type\": \"text\"} is supported")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the number of alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptIds = Annotated[list[int], Field(min_length=1)]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | PromptIds | Annotated[list[str], Field(min_length=1)] \
+        | Annotated[list[PromptIds], Field(min_length=1)]
+    max_tokens: int | None = Field(16, ge=1)       # OpenAI's and vLLM's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _completion_checks(self) -> CompletionRequest:
+        if self.echo:
+            raise _FieldError("echo", "echo is not supported")
+        if self.suffix:
+            raise _FieldError("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise _FieldError("best_of", "best_of > 1 is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s): one string or token list each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _FieldError("prompt", "give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+class _FieldError(ValueError):
+    """A cross-field check's failure, naming its parameter."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _param_name(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str", "constrained-int"}
+
+
+def _clean_loc(loc: tuple) -> tuple:
+    """Drop the union-member tags pydantic puts in locations ('str', 'list[int]', 'function-after[...]')."""
+    return tuple(p for p in loc if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS))
+
+
+def _format_errors(exc: ValidationError, model: type[BaseModel]) -> APIError:
+    errors = exc.errors(include_url=False)
+    for e in errors:  # our own cross-field checks carry their parameter
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _FieldError):
+            return bad_request(ctx_err.message, ctx_err.param)
+    # of a union's per-member errors, a broken constraint says more than a wrong type
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    locs = [_clean_loc(tuple(e["loc"])) for e in errors]
+    # a union reports one error per member: name their common parameter
+    loc = locs[0]
+    for other in locs[1:]:
+        n = 0
+        while n < min(len(loc), len(other)) and loc[n] == other[n]:
+            n += 1
+        loc = loc[:n]
+    param = _param_name(loc) or None
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param)
+    if first["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param)
+    msg = first["msg"].removeprefix("Value error, ")
+    if len(errors) > 1 and all(e["type"].endswith("_type") for e in errors):
+        msg = "Input has the wrong type"
+    got = first.get("input")
+    shown = "" if first["type"] in ("too_short", "too_long") or isinstance(got, (dict, list)) else \
+        f" (got {json.dumps(got)[:100]})" if _jsonable(got) else ""
+    return bad_request(f"Invalid value for '{param}': {msg}{shown}" if param else msg, param)
+
+
+def _jsonable(x: Any) -> bool:
+    try:
+        json.dumps(x)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return data
+
+
+def parse_request(model: type[BaseModel], raw: bytes) -> Any:
+    data = parse_body(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _format_errors(e, model) from None
