@@ -202,9 +202,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get("SLIPSTREAM_API_KEY") or None
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
-              max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, runtime=args.runtime,
-              max_waiting=args.max_waiting)
+    from slipstream.server.async_engine import build_off_main_thread
+
+    llm = build_off_main_thread(lambda: LLM(
+        args.model, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
+        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, runtime=args.runtime,
+        max_waiting=args.max_waiting))
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)

@@ -23,16 +23,42 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from slipstream.engine.request import Request
 from slipstream.engine.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("slipstream.server")
+T = TypeVar("T")
 
 # a step that returns nothing this fast did nothing: wait a little (or for new work) before the next
 _NOOP_STEP_S = 2e-4
 _NOOP_BACKOFF_S = 1e-3
+
+
+def build_off_main_thread(factory: Callable[[], T]) -> T:
+    """Run `factory` (model loading) on a short-lived thread and return its result.
+
+    The engine runs on its own thread. OpenMP (torch's and our kernels') keeps a worker pool per
+    thread that ever opened a parallel region; if the main thread opened one while loading, its
+    idle pool counts against the cores and libgomp stops spin-waiting (it throttles when it
+    manages more threads than CPUs), which doubled the decode step on a 2-core machine (10.6 ->
+    20 ms). Loading on a thread that then exits leaves the engine thread the only OpenMP owner.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = factory()
+        except BaseException as e:   # re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="slipstream-load")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class EngineDrainingError(Exception):
