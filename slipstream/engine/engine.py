@@ -69,7 +69,7 @@ class Engine:
             if not isinstance(v, int) or v < 1:
                 raise SlipstreamError(f"{name} must be an integer >= 1, got {v!r}")
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        per_token = model.kv_bytes_per_token()
         if kv_cache_tokens is None:
             kv_cache_tokens = max(self.max_model_len, min(2 * self.max_model_len, KV_BUDGET_BYTES // per_token))
         self.kv = model.new_kv_cache(-(-kv_cache_tokens // block_size), block_size)

@@ -83,6 +83,10 @@ class LlamaModel:
             })
         self.inv_freq = rope_inv_freq(cfg, weights.get("rope_freqs"))
 
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         c = self.cfg
         return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)

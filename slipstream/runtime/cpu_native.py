@@ -50,7 +50,9 @@ class NativeDecoder:
         self._kv_ptrs = [(kv.k[i].data_ptr(), kv.v[i].data_ptr()) for i in range(c.num_layers)]
 
     @staticmethod
-    def supports(model: LlamaModel) -> bool:
+    def supports(model) -> bool:
+        if not isinstance(model, LlamaModel):
+            return False
         mats = [L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
         return load_library() is not None and all(m.packed for m in mats) and \
             all(L["qkv"].bias is None for L in model.layers)
