@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 from slipstream.engine.engine import Engine
 from slipstream.engine.request import Request, RequestMetrics
 from slipstream.engine.sampling import SamplingParams, TokenLogprobs
-from slipstream.models.llama import LlamaModel
+from slipstream.models import build_model
 from slipstream.weights import load_model
 
 Message = dict[str, str]
@@ -51,17 +51,19 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, max_batch: int = 8, prefill_chunk: int = 512,
                  runtime: str = "auto", max_waiting: int | None = None, enable_prefix_cache: bool = True,
-                 enable_merging: bool = True):
+                 enable_merging: bool = True, speculative: str | None = None,
+                 num_speculative_tokens: int = 4):
         t0 = time.perf_counter()
         loaded = load_model(model)
         self.model_name = loaded.name
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = LlamaModel(loaded.config, loaded.weights)
+        self.model = build_model(loaded.config, loaded.weights)
         self.engine = Engine(self.model, self.tokenizer, max_model_len=max_model_len,
                              kv_cache_tokens=kv_cache_tokens, max_batch=max_batch,
                              prefill_chunk=prefill_chunk, runtime=runtime, max_waiting=max_waiting,
-                             enable_prefix_cache=enable_prefix_cache, enable_merging=enable_merging)
+                             enable_prefix_cache=enable_prefix_cache, enable_merging=enable_merging,
+                             speculative=speculative, num_speculative_tokens=num_speculative_tokens)
         self.load_time_s = time.perf_counter() - t0
 
     @property

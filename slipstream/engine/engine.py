@@ -23,12 +23,17 @@ import torch
 from slipstream.engine.request import Request
 from slipstream.engine.sampling import Sampler, TokenLogprobs, make_generator
 from slipstream.engine.scheduler import Scheduler, StepPlan
+from slipstream.engine.speculative import SpecStats, make_proposer, verify_row
 from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30
+# Speculation verifies K+1 rows per sequence; the matvec kernels' cost grows with rows, so past
+# this many running sequences a step of plain decoding gives more tokens per second (measured:
+# benchmarks/spec_decode.py, docs/BENCHMARKS.md).
+SPEC_MAX_BATCH = 2
 
 
 @dataclass
@@ -49,6 +54,11 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     merged_requests: int
     preemptions: int
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_emitted_tokens: int = 0
+    spec_accepted_at: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -59,7 +69,9 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, block_size: int = 16, max_batch: int = 8,
                  prefill_chunk: int = 512, runtime: str = "auto", max_waiting: int | None = None,
-                 enable_prefix_cache: bool = True, enable_merging: bool = True):
+                 enable_prefix_cache: bool = True, enable_merging: bool = True,
+                 speculative: str | None = None, num_speculative_tokens: int = 4,
+                 speculative_max_batch: int = SPEC_MAX_BATCH):
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
@@ -78,6 +90,14 @@ class Engine:
         self.enable_merging = enable_merging
         self.sampler = Sampler()
         self.runtime = self._pick_runtime(runtime)
+        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
+            raise SlipstreamError(f"num_speculative_tokens must be in 1..16, got {num_speculative_tokens!r}")
+        try:
+            self.proposer = make_proposer(speculative, num_speculative_tokens)
+        except ValueError as e:
+            raise SlipstreamError(str(e)) from None
+        self.spec_max_batch = speculative_max_batch
+        self.spec = SpecStats(num_speculative_tokens)
         self.requests: dict[str, Request] = {}     # in flight, followers included
         self._merge_index: dict[tuple, Request] = {}
         self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
@@ -205,7 +225,8 @@ class Engine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting), self.kv.num_blocks, self.kv.allocator.num_in_use,
                            self.prefix_cache.queried_tokens, self.prefix_cache.hit_tokens,
-                           self.num_merged, s.num_preemptions)
+                           self.num_merged, s.num_preemptions, self.spec.drafted, self.spec.accepted,
+                           self.spec.verifications, self.spec.emitted, tuple(self.spec.accepted_at))
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
@@ -216,7 +237,11 @@ class Engine:
             r.finish_reason = "length"
             events += self._emit(r, self._finish_text(r, time.perf_counter()), [], [])
         if plan.decode:
-            events += self._sample(plan.decode, self._decode(plan.decode))
+            drafts = self._propose(plan.decode)
+            if drafts is not None:
+                events += self._decode_speculative(plan.decode, drafts)
+            else:
+                events += self._sample(plan.decode, self._decode(plan.decode))
         if plan.prefill:
             events += self._prefill(plan)
         for r in [r for r in self.scheduler.running if r.finished]:
@@ -249,6 +274,76 @@ class Engine:
             r.kv.num_tokens += 1
             self._commit_blocks(r)
         return logits
+
+    # -- speculative decoding -------------------------------------------------------------------
+    def _propose(self, batch: list[Request]) -> list[list[int]] | None:
+        """Guesses per request, or None when this step decodes plainly (no proposer, a batch
+        too large for speculation to pay, or nothing to guess)."""
+        if self.proposer is None or len(batch) > self.spec_max_batch:
+            return None
+        bs, free = self.kv.block_size, self.kv.allocator.num_free
+        drafts = []
+        for r in batch:
+            k = min(self.proposer.k, r.params.max_tokens - len(r.output_ids) - 1,
+                    self.max_model_len - r.num_tokens - 1)
+            d = self.proposer.propose(r.all_token_ids, k) if k > 0 else []
+            pos = r.num_tokens - 1
+            room = (len(r.kv.block_table) + free) * bs - (pos + 1)    # slots it can get now
+            d = d[:max(0, room)]
+            need = r.kv.blocks_needed(pos + 1 + len(d))
+            free -= need
+            drafts.append(d)
+        return drafts if any(drafts) else None
+
+    def _decode_speculative(self, batch: list[Request], drafts: list[list[int]]) -> list[StepEvent]:
+        """One target step over each request's last token and its guesses, then keep the prefix
+        of guesses the target agrees with (see speculative.py)."""
+        tokens, positions, slots, seqs = [], [], [], []
+        row = 0
+        for r, d in zip(batch, drafts):
+            pos = r.num_tokens - 1
+            r.kv.reserve(pos + 1 + len(d))
+            toks = [r.output_ids[-1]] + d
+            tokens += toks
+            positions += range(pos, pos + len(toks))
+            slots.append(r.kv.slots(pos, pos + len(toks)))
+            for j in range(len(toks)):      # each row attends to its own prefix: a decode row
+                seqs.append(self._seq_slice(r, row, 1, pos + j + 1))
+                row += 1
+        step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
+                         torch.arange(row))
+        with matvec_only():   # the same kernels, row for row, as plain decode steps
+            logits = self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
+        now = time.perf_counter()
+        events: list[StepEvent] = []
+        row = 0
+        for r, d in zip(batch, drafts):
+            base = row
+            row += len(d) + 1
+            kept = 0
+            if d:
+                self.spec.verifications += 1
+                self.spec.drafted += len(d)
+            before = len(r.output_ids)
+            for j in range(len(d) + 1):
+                draft = d[j] if j < len(d) else None
+                tok, ok, pen = verify_row(logits[base + j], r.params, r.prompt_ids, r.output_ids,
+                                          r.generator, draft)
+                lp = None
+                if r.params.logprobs is not None:
+                    lp = self.sampler._logprobs(pen[None], [r.params], [tok])[0]
+                events += self._append(r, tok, lp, now)
+                if not ok or r.finished:
+                    break
+                kept += 1
+                self.spec.accepted_at[j] += 1
+            if d:
+                self.spec.accepted += kept
+                self.spec.emitted += len(r.output_ids) - before
+            # KV now holds the last token and the kept guesses; the newest token goes in next step
+            r.kv.num_tokens = r.num_tokens - 1
+            self._commit_blocks(r)
+        return events
 
     def _prefill(self, plan: StepPlan) -> list[StepEvent]:
         """The planned prompt chunks, batched; sample the requests whose prompt is complete.
