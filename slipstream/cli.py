@@ -35,6 +35,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--runtime", choices=["auto", "eager", "native"], default="auto",
                    help="decode step executor (auto: native CPU kernels where they apply)")
+    p.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding: ngram (prompt lookup); mtp and draft:MODEL are not available yet")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="guesses verified per step with --speculative (default 4)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +98,8 @@ def _params(args: argparse.Namespace):
 def _load(args: argparse.Namespace):
     from slipstream.api import LLM
 
-    return LLM(args.model, max_model_len=args.max_model_len, runtime=args.runtime)
+    return LLM(args.model, max_model_len=args.max_model_len, runtime=args.runtime,
+               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -120,7 +125,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": req.text, "token_ids": req.output_ids, "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids), "finish_reason": req.finish_reason,
             "ttft_s": m.ttft_s, "decode_tok_s": m.decode_tok_s, "model": llm.model_name,
-            "runtime": llm.engine.runtime_name}, ensure_ascii=False))
+            "runtime": llm.engine.runtime_name, "speculative": args.speculative,
+            "accepted_tokens_per_step": llm.engine.spec.accepted_tokens_per_step if args.speculative else None},
+            ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         tps = f"{m.decode_tok_s:.1f} tok/s" if m.decode_tok_s else "n/a"
@@ -207,7 +214,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = build_off_main_thread(lambda: LLM(
         args.model, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, runtime=args.runtime,
-        max_waiting=args.max_waiting))
+        max_waiting=args.max_waiting, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens))
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)

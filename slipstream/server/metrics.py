@@ -50,9 +50,19 @@ class _EngineStatsCollector:
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", get("prefix_cache_hit_tokens")),
             ("merged_requests", "Requests merged into an identical in-flight request.", get("merged_requests")),
             ("preemptions", "Requests preempted to free KV-cache blocks.", get("preemptions")),
+            ("spec_decode_num_draft_tokens", "Speculative guesses verified.", get("spec_drafted_tokens")),
+            ("spec_decode_num_accepted_tokens", "Speculative guesses kept.", get("spec_accepted_tokens")),
+            ("spec_decode_num_verifications", "Sequence-steps that verified guesses.", get("spec_verifications")),
+            ("spec_decode_num_emitted_tokens", "Tokens produced by those sequence-steps.",
+             get("spec_emitted_tokens")),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative guesses kept, by position in the guess.", labels=["position"])
+        for i, n in enumerate(getattr(s, "spec_accepted_at", ()) or ()):
+            per_pos.add_metric([str(i)], float(n))
+        yield per_pos
 
 
 class ServerMetrics:
