@@ -71,6 +71,16 @@ def test_generate_json_matches_api(llm):
     assert out.get("finish_reason", "length") == "length"
 
 
+def test_generate_with_ngram_speculation_reports_accepted_tokens(llm):
+    echo = "Original: the cat sat on the mat.\nCopy: the cat sat on the mat.\nOriginal: the cat sat on the mat.\nCopy:"
+    out = _json(run_cli("generate", "-p", echo, "--max-tokens", "24", "--ignore-eos", "--json",
+                        "--speculative", "ngram", "--num-speculative-tokens", "3"))
+    assert out["speculative"] == "ngram" and out["accepted_tokens_per_step"] > 1.5
+    assert out["token_ids"] == llm.generate(echo, _greedy(24))[0].token_ids      # lossless
+    bad = run_cli("generate", "-p", "hi", "--speculative", "medusa")
+    assert bad.returncode == 2 and "unknown speculative method" in bad.stderr
+
+
 def test_generate_chat_json_matches_api(llm):
     question = "What is the largest planet in the solar system?"
     out = _json(run_cli("generate", "--chat", "-p", question, "--max-tokens", "16", "--ignore-eos", "--json"))

@@ -159,3 +159,26 @@ def test_greedy_choices_are_merged_into_one_computation(server, n):
     assert len({ch.message.content for ch in r.choices}) == 1
     assert after["slipstream_merged_requests_total"] - before["slipstream_merged_requests_total"] == n - 1
     assert r.usage.completion_tokens == n * 8 or r.choices[0].finish_reason == "stop"
+
+
+def test_ngram_speculation_in_the_server_is_lossless_and_counted(start_server):
+    from slipstream import LLM, SamplingParams
+
+    srv = start_server("--speculative", "ngram", "--num-speculative-tokens", "4", "--max-model-len", "1024")
+    echo = ["Original: the cat sat on the mat by the door.\nCopy: the cat sat on the mat by the door.\n"
+            "Original: the cat sat on the mat by the door.\nCopy:",
+            "a b c d e f g h a b c d e f g h a b c d"]
+
+    async def main():
+        async with aclient(srv.base_url) as c:
+            return await asyncio.gather(*(c.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
+                                                               extra_body={"ignore_eos": True}) for p in echo))
+
+    outs = asyncio.run(main())
+    ref = LLM(max_model_len=1024).generate(echo, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert [o.choices[0].text for o in outs] == [r.text for r in ref]
+    m = metrics(srv.base_url)
+    assert m["slipstream_spec_decode_num_accepted_tokens_total"] > 0
+    assert m["slipstream_spec_decode_num_draft_tokens_total"] >= m["slipstream_spec_decode_num_accepted_tokens_total"]
+    assert m['slipstream_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    assert m["slipstream_kv_blocks_in_use"] == 0
