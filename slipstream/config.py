@@ -7,6 +7,7 @@ from typing import Any
 from slipstream.errors import ModelLoadError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
+DEEPSEEK_FAMILY = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
 @dataclass
@@ -33,7 +34,7 @@ class ModelConfig:
         mt = cfg.get("model_type", "")
         if mt not in LLAMA_FAMILY:
             raise ModelLoadError(f"unsupported model_type {mt!r} in config.json "
-                                 f"(supported: {', '.join(LLAMA_FAMILY)})")
+                                 f"(supported: {', '.join(LLAMA_FAMILY + DEEPSEEK_FAMILY)})")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         scaling = cfg.get("rope_scaling") or None
@@ -60,3 +61,169 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
             qk_norm=(mt == "qwen3"),
         )
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, Any]]:
+    """(theta, scaling or None, the whole rope dict) from `rope_scaling`/`rope_theta` (v4) or
+    `rope_parameters` (transformers v5, which folds theta, scaling and partial_rotary_factor in)."""
+    scaling = cfg.get("rope_scaling") or None
+    theta = cfg.get("rope_theta")
+    params = cfg.get("rope_parameters")
+    merged: dict[str, Any] = dict(scaling or {})
+    if isinstance(params, dict):
+        merged.update(params)
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = params
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling, merged
+
+
+@dataclass
+class DeepseekConfig:
+    """DeepSeek-V3 / V3.2 and GLM-4.5 / GLM-5: MoE decoders with MLA (or, for GLM-4.5, GQA) attention
+    and, for V3.2 / GLM-5, DeepSeek Sparse Attention. Field names follow Hugging Face's configs."""
+    architecture: str               # the model_type: deepseek_v3 | deepseek_v32 | glm4_moe | glm_moe_dsa
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int          # dense layers' FFN
+    moe_intermediate_size: int      # each routed / shared expert's FFN
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    mlp_layer_types: list[str] = field(default_factory=list)   # "dense" | "sparse" per layer
+    # attention: "mla" (DeepSeek, GLM-5) or "gqa" (GLM-4.5)
+    attention: str = "mla"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True    # MLA rotary dims as (x0, x1), (x2, x3), ... pairs
+    num_kv_heads: int = 0           # GQA
+    head_dim: int = 0               # GQA
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    qk_norm: bool = False           # GLM-4.5 use_qk_norm
+    # DeepSeek Sparse Attention (lightning indexer)
+    index_topk: int = 0             # 0: dense attention
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    index_rope_interleave: bool = False   # GLM-5 interleaved, DeepSeek-V3.2 half-split
+    indexer_types: list[str] = field(default_factory=list)    # "full" | "shared" per layer
+    num_nextn_predict_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions that rotate: MLA's decoupled key, or GQA's leading partial_rotary_factor share."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def dsa(self) -> bool:
+        return self.index_topk > 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "DeepseekConfig":
+        mt = cfg.get("model_type", "")
+        if mt not in DEEPSEEK_FAMILY:
+            raise ModelLoadError(f"unsupported model_type {mt!r} for the DeepSeek/GLM family")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {cfg.get('hidden_act')!r} (only silu)")
+        try:
+            theta, scaling, rope = _rope_settings(cfg)
+            layers = int(cfg["num_hidden_layers"])
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            n_dense = min(int(cfg.get("first_k_dense_replace") or 0), layers)
+            mlp_types = cfg.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (layers - n_dense)
+            dsa = mt in ("deepseek_v32", "glm_moe_dsa")
+            out = cls(
+                architecture=mt, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+                num_layers=layers, num_heads=heads,
+                intermediate_size=int(cfg["intermediate_size"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                n_routed_experts=int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0),
+                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                mlp_layer_types=list(mlp_types),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta, rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers")
+                                             or cfg.get("num_mtp_layers") or 0),
+            )
+            if mt == "glm4_moe":
+                out.attention = "gqa"
+                out.num_kv_heads = int(cfg.get("num_key_value_heads") or heads)
+                out.head_dim = int(cfg.get("head_dim") or hidden // heads)
+                out.partial_rotary_factor = float(cfg.get("partial_rotary_factor",
+                                                          rope.get("partial_rotary_factor", 0.5)))
+                out.qk_norm = bool(cfg.get("use_qk_norm", False))
+            else:
+                q_rank = cfg.get("q_lora_rank")
+                out.q_lora_rank = int(q_rank) if q_rank else None
+                out.kv_lora_rank = int(cfg["kv_lora_rank"])
+                out.qk_nope_head_dim = int(cfg["qk_nope_head_dim"])
+                out.qk_rope_head_dim = int(cfg["qk_rope_head_dim"])
+                out.v_head_dim = int(cfg["v_head_dim"])
+                # V3.2 and GLM-5 always lay the MLA rotary dims out in pairs
+                out.rope_interleave = bool(cfg.get("rope_interleave", True)) if mt == "deepseek_v3" else True
+            if dsa:
+                if out.q_lora_rank is None:
+                    raise ModelLoadError(f"{mt}: the DSA indexer needs q_lora_rank")
+                out.index_topk = int(cfg.get("index_topk", 2048))
+                out.index_head_dim = int(cfg.get("index_head_dim", 128))
+                out.index_n_heads = int(cfg.get("index_n_heads", 64 if mt == "deepseek_v32" else 32))
+                out.index_rope_interleave = mt == "glm_moe_dsa"
+                types = cfg.get("indexer_types")
+                if not types and mt == "glm_moe_dsa":
+                    pattern = cfg.get("index_topk_pattern")
+                    if pattern is not None:
+                        types = [{"F": "full", "S": "shared"}[c] for c in pattern] \
+                            if isinstance(pattern, str) else list(pattern)
+                    else:
+                        freq = max(int(cfg.get("index_topk_freq", 1)), 1)
+                        offset = int(cfg.get("index_skip_topk_offset", 2))
+                        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                                 for i in range(layers)]
+                out.indexer_types = list(types or ["full"] * layers)
+                if out.indexer_types[0] != "full":
+                    raise ModelLoadError(f"{mt}: the first layer's indexer must be 'full'")
+        except KeyError as e:
+            raise ModelLoadError(f"config.json of a {mt} model lacks {e.args[0]!r}") from None
+        if len(out.mlp_layer_types) != layers:
+            raise ModelLoadError(f"{mt}: mlp_layer_types has {len(out.mlp_layer_types)} entries "
+                                 f"for {layers} layers")
+        if "sparse" in out.mlp_layer_types:
+            per_group = out.n_routed_experts // out.n_group
+            if out.n_routed_experts % out.n_group or (out.n_group > 1 and per_group < 2):
+                raise ModelLoadError(f"{mt}: {out.n_routed_experts} experts do not split into "
+                                     f"{out.n_group} groups of at least 2")
+        return out
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig | DeepseekConfig:
+    """The config class for a config.json's model_type."""
+    if cfg.get("model_type", "") in DEEPSEEK_FAMILY:
+        return DeepseekConfig.from_hf(cfg)
+    return ModelConfig.from_hf(cfg)

@@ -92,6 +92,8 @@ class BlockAllocator:
 
 
 class PagedKVCache:
+    """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA)."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32):
         self.block_size = block_size
@@ -111,10 +113,34 @@ class PagedKVCache:
         return self.allocator.num_in_use / self.num_blocks
 
 
+class LatentKVCache:
+    """The MLA cache (DeepSeek-V3 / GLM-5): per token and layer only the normalised KV latent
+    ([num_layers, slots, kv_lora_rank]) and the shared rotary key ([num_layers, slots, rope_dim]);
+    with DeepSeek Sparse Attention also the indexer's key ([num_layers, slots, index_dim]).
+    Same slots, blocks and allocator as `PagedKVCache`, so the scheduler and prefix cache use it alike."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
+                 rope_dim: int, index_dim: int = 0, dtype: torch.dtype = torch.float32):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        self.latent = torch.empty((num_layers, slots, latent_dim), dtype=dtype)
+        self.rope = torch.empty((num_layers, slots, rope_dim), dtype=dtype)
+        self.index_k = torch.empty((num_layers, slots, index_dim), dtype=dtype) if index_dim else None
+        self.allocator = BlockAllocator(num_blocks)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def usage(self) -> float:
+        return self.allocator.num_in_use / self.num_blocks
+
+
 @dataclass
 class SequenceKV:
     """The blocks one sequence holds and how many of its slots hold computed tokens."""
-    cache: PagedKVCache
+    cache: PagedKVCache | LatentKVCache
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0
     num_hashed_blocks: int = 0    # leading full blocks already registered in the prefix cache

@@ -1,0 +1,15 @@
+"""Model definitions, one per family; `build_model` picks the class for a loaded config."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_model(config: Any, weights: dict[str, Any]):
+    """The model object for `config` (a ModelConfig -> LlamaModel, a DeepseekConfig -> DeepseekModel)."""
+    from slipstream.config import DeepseekConfig
+
+    if isinstance(config, DeepseekConfig):
+        from slipstream.models.deepseek import DeepseekModel
+        return DeepseekModel(config, weights)
+    from slipstream.models.llama import LlamaModel
+    return LlamaModel(config, weights)

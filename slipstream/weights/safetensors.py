@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from slipstream.config import ModelConfig
+from slipstream.config import DeepseekConfig, ModelConfig, config_from_hf
 from slipstream.errors import ModelLoadError
 from slipstream.weights.quant import Linear
 
@@ -38,13 +38,47 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def dequantize_fp8(state: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128),
+                   where: str = "") -> dict[str, torch.Tensor]:
+    """Replace each FP8 `X.weight` that has a block scale `X.weight_scale_inv` ([ceil(N/bn), ceil(K/bk)],
+    the factor each bn x bk tile was divided by) with its float32 value; the scales are dropped."""
+    out: dict[str, torch.Tensor] = {}
+    bn, bk = block
+    for name, t in state.items():
+        if name.endswith("_scale_inv") and name[:-len("_scale_inv")] in state:
+            continue
+        if t.dtype in FP8_DTYPES:
+            scale = state.get(name + "_scale_inv")
+            if scale is None:
+                raise ModelLoadError(f"{where}: FP8 tensor {name} has no {name}_scale_inv")
+            n, k = t.shape
+            if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
+                raise ModelLoadError(f"{where}: {name}_scale_inv has shape {tuple(scale.shape)}, "
+                                     f"expected {(-(-n // bn), -(-k // bk))} for {bn}x{bk} blocks")
+            full = scale.to(torch.float32).repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+            out[name] = t.to(torch.float32) * full
+        else:
+            out[name] = t
+    return out
+
+
+def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict[str, Any]]:
     folder = Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise ModelLoadError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    raw_cfg = json.loads(cfg_file.read_text())
+    cfg = config_from_hf(raw_cfg)
     state = read_state_dict(folder)
+    if any(t.dtype in FP8_DTYPES for t in state.values()):
+        qc = raw_cfg.get("quantization_config") or {}
+        block = tuple(qc.get("weight_block_size") or (128, 128))
+        state = dequantize_fp8(state, block, str(folder))  # type: ignore[arg-type]
+    if isinstance(cfg, DeepseekConfig):
+        return cfg, _deepseek_weights(cfg, state, folder)
 
     def get(name: str) -> torch.Tensor:
         if name not in state:
@@ -76,3 +110,83 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
             layer["k_norm"] = get(p + "self_attn.k_norm.weight")
         weights[f"layers.{i}"] = layer
     return cfg, weights
+
+
+def _deepseek_weights(cfg: DeepseekConfig, state: dict[str, torch.Tensor], folder: Path) -> dict[str, Any]:
+    """HF names -> the plain float32 tensors `slipstream.models.deepseek` reads (experts stacked)."""
+    def get(name: str) -> torch.Tensor:
+        if name not in state:
+            raise ModelLoadError(f"{folder}: tensor {name} missing from the checkpoint")
+        return state[name].to(torch.float32)
+
+    def opt(name: str) -> torch.Tensor | None:
+        return state[name].to(torch.float32) if name in state else None
+
+    def mlp(p: str) -> dict[str, torch.Tensor]:
+        return {"gate_up": torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")]),
+                "down": get(p + "down_proj.weight")}
+
+    def layer(i: int, mlp_type: str, indexer: bool) -> dict[str, Any]:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w: dict[str, Any] = {"attn_norm": get(p + "input_layernorm.weight"),
+                             "ffn_norm": get(p + "post_attention_layernorm.weight"),
+                             "o": get(a + "o_proj.weight"), "o_bias": opt(a + "o_proj.bias")}
+        if cfg.attention == "gqa":
+            for n in ("q", "k", "v"):
+                w[n] = get(a + f"{n}_proj.weight")
+                w[n + "_bias"] = opt(a + f"{n}_proj.bias")
+            if cfg.qk_norm:
+                w["q_norm"] = get(a + "q_norm.weight")
+                w["k_norm"] = get(a + "k_norm.weight")
+        else:
+            if cfg.q_lora_rank is None:
+                w["q"] = get(a + "q_proj.weight")
+            else:
+                w["q_a"] = get(a + "q_a_proj.weight")
+                w["q_a_bias"] = opt(a + "q_a_proj.bias")
+                w["q_a_norm"] = get(a + "q_a_layernorm.weight")
+                w["q_b"] = get(a + "q_b_proj.weight")
+            w["kv_a"] = get(a + "kv_a_proj_with_mqa.weight")
+            w["kv_a_bias"] = opt(a + "kv_a_proj_with_mqa.bias")
+            w["kv_a_norm"] = get(a + "kv_a_layernorm.weight")
+            w["kv_b"] = get(a + "kv_b_proj.weight")
+        if indexer:
+            x = a + "indexer."
+            w["indexer"] = {"wq_b": get(x + "wq_b.weight"), "wk": get(x + "wk.weight"),
+                            "k_norm": get(x + "k_norm.weight"), "k_norm_bias": get(x + "k_norm.bias"),
+                            "weights_proj": get(x + "weights_proj.weight")}
+        if mlp_type == "dense":
+            w["mlp"] = mlp(p + "mlp.")
+        else:
+            m = p + "mlp."
+            experts = [mlp(m + f"experts.{e}.") for e in range(cfg.n_routed_experts)]
+            w["moe"] = {
+                "router": get(m + "gate.weight"),
+                "correction_bias": opt(m + "gate.e_score_correction_bias"),
+                "gate_up": torch.stack([e["gate_up"] for e in experts]),
+                "down": torch.stack([e["down"] for e in experts]),
+                "shared": mlp(m + "shared_experts.") if cfg.n_shared_experts else None,
+            }
+        return w
+
+    weights: dict[str, Any] = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
+    weights["lm_head"] = weights["embed"] if tied else get("lm_head.weight")
+    for i in range(cfg.num_layers):
+        weights[f"layers.{i}"] = layer(i, cfg.mlp_layer_types[i],
+                                       cfg.dsa and cfg.indexer_types[i] == "full")
+    # MTP layers sit after the main ones (model.layers.{num_layers + j}); optional in a checkpoint
+    # (transformers drops them), loaded when present
+    for j in range(cfg.num_nextn_predict_layers):
+        i = cfg.num_layers + j
+        p = f"model.layers.{i}."
+        if p + "eh_proj.weight" not in state:
+            break
+        w = layer(i, "sparse" if cfg.n_routed_experts else "dense", cfg.dsa)
+        w.update({"enorm": get(p + "enorm.weight"), "hnorm": get(p + "hnorm.weight"),
+                  "eh_proj": get(p + "eh_proj.weight"),
+                  "head_norm": get(p + "shared_head.norm.weight"),
+                  "head": opt(p + "shared_head.head.weight"), "embed": opt(p + "embed_tokens.weight")})
+        weights[f"mtp.{j}"] = w
+    return weights
