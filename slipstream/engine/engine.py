@@ -94,7 +94,7 @@ class Engine:
         if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
             raise SlipstreamError(f"num_speculative_tokens must be in 1..16, got {num_speculative_tokens!r}")
         try:
-            self.proposer = make_proposer(speculative, num_speculative_tokens)
+            self.proposer = make_proposer(speculative, num_speculative_tokens, model, tokenizer)
         except ValueError as e:
             raise SlipstreamError(str(e)) from None
         self.spec_max_batch = speculative_max_batch
@@ -210,6 +210,8 @@ class Engine:
     def _drop(self, r: Request) -> None:
         if r.finish_reason is None:
             r.finish_reason = "abort"
+        if self.proposer is not None:
+            self.proposer.release(r.request_id)
         self.scheduler.remove(r)
         self.requests.pop(r.request_id, None)
         self._unindex(r)
@@ -238,9 +240,9 @@ class Engine:
             r.finish_reason = "length"
             events += self._emit(r, self._finish_text(r, time.perf_counter()), [], [])
         if plan.decode:
-            drafts = self._propose(plan.decode)
-            if drafts is not None:
-                events += self._decode_speculative(plan.decode, drafts)
+            proposal = self._propose(plan.decode)
+            if proposal is not None:
+                events += self._decode_speculative(plan.decode, *proposal)
             else:
                 events += self._sample(plan.decode, self._decode(plan.decode))
         if plan.prefill:
@@ -250,6 +252,8 @@ class Engine:
         return events
 
     def _retire(self, r: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(r.request_id)
         self.scheduler.remove(r)
         self.requests.pop(r.request_id, None)
         for f in r.followers:
@@ -277,26 +281,30 @@ class Engine:
         return logits
 
     # -- speculative decoding -------------------------------------------------------------------
-    def _propose(self, batch: list[Request]) -> list[list[int]] | None:
-        """Guesses per request, or None when this step decodes plainly (no proposer, a batch
-        too large for speculation to pay, or nothing to guess)."""
+    def _propose(self, batch: list[Request]) -> tuple[list[list[int]], list[list | None]] | None:
+        """Guesses per request (and the distributions they were drawn from, when not point
+        masses), or None when this step decodes plainly (no proposer, a batch too large for
+        speculation to pay, or nothing to guess)."""
         if self.proposer is None or len(batch) > self.spec_max_batch:
             return None
         bs, free = self.kv.block_size, self.kv.allocator.num_free
-        drafts = []
+        ks = []
         for r in batch:
             k = min(self.proposer.k, r.params.max_tokens - len(r.output_ids) - 1,
                     self.max_model_len - r.num_tokens - 1)
-            d = self.proposer.propose(r.all_token_ids, k) if k > 0 else []
             pos = r.num_tokens - 1
             room = (len(r.kv.block_table) + free) * bs - (pos + 1)    # slots it can get now
-            d = d[:max(0, room)]
-            need = r.kv.blocks_needed(pos + 1 + len(d))
-            free -= need
-            drafts.append(d)
-        return drafts if any(drafts) else None
+            k = max(0, min(k, room))
+            free -= r.kv.blocks_needed(pos + 1 + k)
+            ks.append(k)
+        if not any(ks):
+            return None
+        drafts, qs = self.proposer.propose_batch(batch, ks)
+        drafts = [d[:k] for d, k in zip(drafts, ks)]
+        return (drafts, qs) if any(drafts) else None
 
-    def _decode_speculative(self, batch: list[Request], drafts: list[list[int]]) -> list[StepEvent]:
+    def _decode_speculative(self, batch: list[Request], drafts: list[list[int]],
+                            qs: list[list | None]) -> list[StepEvent]:
         """One target step over each request's last token and its guesses, then keep the prefix
         of guesses the target agrees with (see speculative.py)."""
         tokens, positions, slots, seqs = [], [], [], []
@@ -318,7 +326,7 @@ class Engine:
         now = time.perf_counter()
         events: list[StepEvent] = []
         row = 0
-        for r, d in zip(batch, drafts):
+        for r, d, q in zip(batch, drafts, qs):
             base = row
             row += len(d) + 1
             kept = 0
@@ -329,7 +337,7 @@ class Engine:
             for j in range(len(d) + 1):
                 draft = d[j] if j < len(d) else None
                 tok, ok, pen = verify_row(logits[base + j], r.params, r.prompt_ids, r.output_ids,
-                                          r.generator, draft)
+                                          r.generator, draft, q[j] if q and draft is not None else None)
                 lp = None
                 if r.params.logprobs is not None:
                     lp = self.sampler._logprobs(pen[None], [r.params], [tok])[0]
@@ -344,6 +352,7 @@ class Engine:
             # KV now holds the last token and the kept guesses; the newest token goes in next step
             r.kv.num_tokens = r.num_tokens - 1
             self._commit_blocks(r)
+            self.proposer.verified(r)
         return events
 
     def _prefill(self, plan: StepPlan) -> list[StepEvent]:

@@ -30,8 +30,17 @@ class Proposer(Protocol):
     name: str
     k: int
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to k guesses of the tokens that follow token_ids (prompt + output so far)."""
+    def propose_batch(self, reqs: list, ks: list[int]) -> tuple[list[list[int]], list[list | None]]:
+        """Up to ks[i] guesses for each request, and for each either None (guesses are point
+        masses, or the request is greedy) or the distribution [V] each guess was drawn from."""
+        ...
+
+    def verified(self, r) -> None:
+        """Called after the target has checked r's guesses (r.num_tokens - 1 tokens are in its KV)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request is gone: drop whatever the proposer keeps for it."""
         ...
 
 
@@ -46,6 +55,15 @@ class NgramProposer:
         if k < 1 or not 1 <= n_min <= n_max:
             raise ValueError("ngram speculation needs k >= 1 and 1 <= n_min <= n_max")
         self.k, self.n_max, self.n_min, self.window = k, n_max, n_min, window
+
+    def propose_batch(self, reqs: list, ks: list[int]) -> tuple[list[list[int]], list[list | None]]:
+        return [self.propose(r.all_token_ids, k) if k > 0 else [] for r, k in zip(reqs, ks)], [None] * len(reqs)
+
+    def verified(self, r) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
 
     def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
         toks = list(token_ids[-self.window:])
@@ -151,14 +169,26 @@ def verify_row(row: torch.Tensor, sp: SamplingParams, prompt_ids: list[int], out
     return tok, kept, row
 
 
-def make_proposer(spec: str | None, k: int) -> Proposer | None:
+def make_proposer(spec: str | None, k: int, target=None, tokenizer=None) -> Proposer | None:
+    """`ngram`, `draft:MODEL` (a model path or name with the target's vocabulary), or None."""
     if spec is None or spec in ("", "none", "off"):
         return None
     if spec == "ngram":
         return NgramProposer(k)
     if spec == "mtp":
-        raise ValueError("--speculative mtp needs a model with MTP layers (the DeepSeek/GLM family), "
-                         "which this build does not load yet")
+        raise ValueError("--speculative mtp is not wired into the engine yet (the DeepSeek/GLM models have MTP "
+                         "layers, the proposer that drives them is still to come); use ngram or draft:MODEL")
     if spec.startswith("draft:"):
-        raise ValueError("--speculative draft:MODEL is not available yet; use ngram")
+        from slipstream.engine.draft import DraftModelProposer
+        from slipstream.models import build_model
+        from slipstream.weights import load_model
+
+        loaded = load_model(spec[len("draft:"):])
+        if target is not None and loaded.config.vocab_size != target.cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({loaded.config.vocab_size} tokens) differs from the "
+                             f"target's ({target.cfg.vocab_size}); a draft must share the tokenizer")
+        if tokenizer is not None and set(loaded.tokenizer.eos_token_ids) != set(tokenizer.eos_token_ids):
+            raise ValueError("the draft model's end-of-sequence tokens differ from the target's; "
+                             "a draft must share the tokenizer")
+        return DraftModelProposer(build_model(loaded.config, loaded.weights), k)
     raise ValueError(f"unknown speculative method {spec!r} (ngram, mtp, draft:MODEL)")

@@ -45,7 +45,7 @@ def test_ngram_proposes_what_followed_the_latest_match():
 
 def test_unknown_or_unavailable_methods_are_clear_errors():
     assert make_proposer(None, 4) is None
-    for spec, msg in [("bogus", "unknown speculative"), ("mtp", "MTP layers"), ("draft:x", "not available")]:
+    for spec, msg in [("bogus", "unknown speculative"), ("mtp", "not wired")]:
         with pytest.raises(ValueError, match=msg):
             make_proposer(spec, 4)
 
@@ -179,6 +179,50 @@ def test_speculation_switches_off_for_large_batches(llm):
     assert e.stats().spec_verifications == 0
     run(e, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0))
     assert e.stats().spec_verifications > 0
+
+
+# -- a draft model ---------------------------------------------------------------------------------
+
+def _random_draft(folder, llm: LLM, vocab: int | None = None):
+    """A tiny random Llama in an HF folder with SmolLM2's tokenizer: a draft that is usually wrong."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=vocab or llm.tokenizer.vocab_size, hidden_size=32,
+                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    llm.tokenizer.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": llm.tokenizer.bos_token, "eos_token": llm.tokenizer.eos_token}))
+    return folder
+
+
+def test_the_target_itself_as_draft_is_lossless_and_almost_always_right(llm):
+    e = engine(llm, speculative="draft:smollm2-135m", num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    spec = run(e, PROMPTS[1:3], params)
+    plain = run(engine(llm), PROMPTS[1:3], params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    assert e.stats().spec_emitted_tokens / e.stats().spec_verifications > 4.0
+    sampled = run(e, PROMPTS[1:3], SamplingParams(max_tokens=24, temperature=0.9, seed=5, ignore_eos=True))
+    assert [len(r.output_ids) for r in sampled] == [24, 24]
+    assert e.proposer.kv.allocator.num_in_use == 0 and not e.proposer.seqs   # the draft's KV is freed too
+
+
+def test_a_poor_draft_model_changes_nothing_but_speed(llm, tmp_path):
+    draft = _random_draft(tmp_path / "draft", llm)
+    e = engine(llm, speculative=f"draft:{draft}", num_speculative_tokens=3)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = run(e, PROMPTS[:3], params)
+    plain = run(engine(llm), PROMPTS[:3], params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    s = e.stats()
+    assert s.spec_verifications > 0 and s.spec_accepted_tokens < s.spec_drafted_tokens / 2
+    assert s.kv_blocks_in_use == 0 and e.proposer.kv.allocator.num_in_use == 0
+    with pytest.raises(SlipstreamError, match="vocabulary"):
+        engine(llm, speculative=f"draft:{_random_draft(tmp_path / 'other', llm, vocab=1000)}")
 
 
 def test_bad_speculative_settings_are_errors(llm):
