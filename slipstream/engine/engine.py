@@ -183,7 +183,8 @@ class Engine:
         self.num_merged += 1
         if r.priority < primary.priority:     # the shared computation runs at its best caller's priority
             self.scheduler.reprioritize(primary, r.priority)
-        r.metrics.scheduled = primary.metrics.scheduled
+        if primary.metrics.scheduled is not None:
+            r.metrics.scheduled = max(primary.metrics.scheduled, r.metrics.arrival)
         if primary.output_ids:   # catch up with what the primary has produced so far
             self._mirror(primary, r)
             self._pending.append(StepEvent(r, primary.text[:primary.emitted], list(primary.output_ids),
@@ -192,7 +193,11 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Stop a request now (its caller left): its blocks are freed and it produces no more events."""
         r = self.requests.pop(request_id, None)
-        if r is None or r.finished:
+        if r is None:
+            return
+        if r.finished:   # finished in a step that then failed: retire it now, blocks included
+            if r.kv is not None:
+                self._retire(r)
             return
         r.finish_reason = "abort"
         r.metrics.finished = time.perf_counter()
@@ -201,11 +206,21 @@ class Engine:
             primary.followers.remove(r)
             if primary.detached and not primary.followers:
                 self._drop(primary)
+            else:
+                self._settle_priority(primary)
         elif r.followers:
             r.finish_reason = None          # keeps computing for the followers
             r.detached = True
+            self._settle_priority(r)
         else:
             self._drop(r)
+
+    def _settle_priority(self, primary: Request) -> None:
+        """A shared computation runs at the best priority among the callers still waiting for it."""
+        callers = [f.priority for f in primary.followers] + ([] if primary.detached else [primary.own_priority])
+        best = min(callers, default=primary.own_priority)
+        if best != primary.priority:
+            self.scheduler.reprioritize(primary, best)
 
     def _drop(self, r: Request) -> None:
         if r.finish_reason is None:
@@ -292,6 +307,10 @@ class Engine:
         for r in batch:
             k = min(self.proposer.k, r.params.max_tokens - len(r.output_ids) - 1,
                     self.max_model_len - r.num_tokens - 1)
+            if not r.params.greedy and r.params.seed is not None:
+                # speculation draws extra random numbers, and whether a step speculates depends on
+                # the batch size; a seeded request must draw the same tokens whatever runs beside it
+                k = 0
             pos = r.num_tokens - 1
             room = (len(r.kv.block_table) + free) * bs - (pos + 1)    # slots it can get now
             k = max(0, min(k, room))
@@ -447,7 +466,14 @@ class Engine:
     def _mirror(r: Request, f: Request) -> None:
         f.output_ids, f.logprobs = r.output_ids, r.logprobs   # shared: the same tokens
         f.text, f.emitted, f.finish_reason = r.text, r.emitted, r.finish_reason
-        f.metrics.first_token, f.metrics.finished = r.metrics.first_token, r.metrics.finished
+        # a follower that joined late got its first tokens when it joined, not before it arrived
+        now = time.perf_counter()
+        if f.metrics.first_token is None and r.metrics.first_token is not None:
+            f.metrics.first_token = max(r.metrics.first_token, f.metrics.arrival)
+        if f.metrics.scheduled is None:
+            f.metrics.scheduled = min(now, max(r.metrics.scheduled or now, f.metrics.arrival))
+        if r.metrics.finished is not None:
+            f.metrics.finished = max(r.metrics.finished, f.metrics.arrival)
         f.metrics.num_output_tokens = r.metrics.num_output_tokens
 
     @staticmethod

@@ -64,6 +64,9 @@ class Request:
     followers: list[Request] = field(default_factory=list, repr=False)
     detached: bool = False       # its own caller left, but followers still want the tokens
 
+    def __post_init__(self) -> None:
+        self.own_priority = self.priority   # what its caller asked for (merging may raise `priority`)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

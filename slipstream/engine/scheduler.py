@@ -116,14 +116,16 @@ class Scheduler:
             tokens = r.all_token_ids
             # a new request must compute at least its last prompt token (its logits are sampled)
             limit = r.prefill_target - (0 if r.output_ids else 1)
-            cached = self.prefix_cache.match(seq, tokens, limit)
+            first = r.metrics.scheduled is None     # re-admissions after preemption are not counted
+            cached = self.prefix_cache.match(seq, tokens, limit, count=first)
             first_end = min(r.prefill_target, cached + self.prefill_chunk)
             need = seq.blocks_needed(max(first_end, cached + 1))
             headroom = len(self.running)    # a block for each running decode's next step
             if self.running and need + headroom > self.alloc.num_free:
                 seq.release()
-                self.prefix_cache.queried_tokens -= limit   # not admitted: this lookup does not count
-                self.prefix_cache.hit_tokens -= cached
+                if first:   # not admitted: this lookup does not count
+                    self.prefix_cache.queried_tokens -= limit
+                    self.prefix_cache.hit_tokens -= cached
                 return
             self.waiting.pop(0)
             r.kv = seq

@@ -28,13 +28,15 @@ class PrefixCache:
         self.queried_tokens = 0   # prompt tokens looked up
         self.hit_tokens = 0       # of those, found in the cache
 
-    def match(self, seq: SequenceKV, token_ids: Sequence[int], limit: int) -> int:
+    def match(self, seq: SequenceKV, token_ids: Sequence[int], limit: int, count: bool = True) -> int:
         """Attach the cached blocks that hold a prefix of token_ids[:limit] to an empty sequence.
 
-        Returns how many tokens are now already computed (a multiple of the block size).
+        Returns how many tokens are now already computed (a multiple of the block size). With
+        count=False (a preempted request coming back) the lookup is left out of the hit-rate counters.
         """
         assert not seq.block_table, "prefix matching starts from an empty sequence"
-        self.queried_tokens += limit
+        if count:
+            self.queried_tokens += limit
         if not self.enabled:
             return 0
         bs, alloc = self.cache.block_size, self.cache.allocator
@@ -51,7 +53,8 @@ class PrefixCache:
         seq.num_hashed_blocks = n
         seq.num_tokens = n * bs
         seq.last_hash = parent
-        self.hit_tokens += n * bs
+        if count:
+            self.hit_tokens += n * bs
         return n * bs
 
     def commit(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:

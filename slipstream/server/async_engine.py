@@ -176,6 +176,7 @@ class AsyncEngine:
         self._name = name
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
+        self._batch: list[tuple] = []               # commands taken from the inbox, not yet done
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -297,8 +298,12 @@ class AsyncEngine:
 
     def _post(self, cmd: tuple) -> None:
         with self._cond:
-            self._inbox.append(cmd)
-            self._cond.notify()
+            if not self._stop:
+                self._inbox.append(cmd)
+                self._cond.notify()
+                return
+        if cmd[0] == "submit":   # nobody reads the inbox any more: answer now instead of never
+            self._call_soon(_settle, cmd[2], EngineFailedError(f"the engine is not running ({self.failure or 'stopped'})"))
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -307,9 +312,14 @@ class AsyncEngine:
         except BaseException as e:  # a bug: fail whatever is running, keep the process up
             log.exception("the engine thread failed")
             self.failure = e
-            self._fail_all(EngineFailedError(f"the engine thread failed: {e!r}"))
+            err = EngineFailedError(f"the engine thread failed: {e!r}")
             with self._cond:
                 self._stop = True
+                unread, self._inbox = self._batch + self._inbox, []
+            self._fail_all(err)
+            for cmd in unread:   # submissions taken but not processed: their callers must hear of it
+                if cmd[0] == "submit":
+                    self._call_soon(_settle, cmd[2], err)
 
     def _loop_forever(self) -> None:
         engine = self.engine
@@ -320,14 +330,16 @@ class AsyncEngine:
                     self._cond.wait(_NOOP_BACKOFF_S)
                 while not self._inbox and not self._stop and not engine.has_unfinished():
                     self._cond.wait()
-                inbox, self._inbox = self._inbox, []
+                self._batch, self._inbox = self._inbox, []
                 stop = self._stop
             deliveries: list[tuple[RequestStream, StreamEvent | BaseException]] = []
-            for cmd in inbox:
+            while self._batch:
+                cmd = self._batch[0]
                 if cmd[0] == "submit":
                     self._add(cmd[1], cmd[2])
                 else:
                     self._abort(cmd[1])
+                self._batch.pop(0)
             if stop:   # whatever is still running is cut off (drain first to avoid that)
                 err = EngineDrainingError("the server shut down before the request finished")
                 cut = [(live.stream, err) for live in self._live.values()]

@@ -308,3 +308,38 @@ def test_max_tokens_zero_finishes_without_running(llm):
     assert [(ev.request, ev.token_ids) for ev in events] == [(r, [])]
     assert r.finish_reason == "length"
     assert_idle(e)
+
+
+def test_a_late_follower_has_sane_timings_and_leaving_restores_priority(llm):
+    e = engine(llm, max_batch=1)
+    first = Request(ids(llm, PROMPTS[0]), greedy(6, ignore_eos=True))
+    low = Request(ids(llm, PROMPTS[1]), greedy(6, ignore_eos=True), priority=9)
+    mid = Request(ids(llm, PROMPTS[2]), greedy(6, ignore_eos=True), priority=5)
+    for r in (first, low, mid):
+        e.add_request(r)
+    high = Request(list(low.prompt_ids), greedy(6, ignore_eos=True), priority=0)
+    e.add_request(high)                   # merged into `low`, which now runs at priority 0 ...
+    assert low.priority == 0
+    e.abort(high.request_id)              # ... until that caller leaves
+    assert low.priority == 9
+    drain(e, [first, low, mid])
+    # a follower joining after the primary's first token: its timings start at its own arrival
+    a = Request(ids(llm, PROMPTS[3]), greedy(12, ignore_eos=True))
+    e.add_request(a)
+    for _ in range(3):
+        e.step()
+    b = Request(list(a.prompt_ids), greedy(12, ignore_eos=True))
+    e.add_request(b)
+    drain(e, [a, b])
+    assert b.metrics.ttft_s >= 0 and b.metrics.queue_s >= 0 and b.metrics.finished >= b.metrics.arrival
+    assert_idle(e)
+
+
+def test_aborting_a_request_that_finished_in_a_failed_step_frees_it(llm):
+    e = engine(llm)
+    r = Request(ids(llm, PROMPTS[0]), greedy(3, ignore_eos=True))
+    e.add_request(r)
+    e.step()
+    r.finish_reason = "stop"              # as if the step had failed after it finished
+    e.abort(r.request_id)
+    assert_idle(e)
