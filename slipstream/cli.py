@@ -36,7 +36,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=["auto", "eager", "native"], default="auto",
                    help="decode step executor (auto: native CPU kernels where they apply)")
     p.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="speculative decoding: ngram (prompt lookup) or draft:MODEL (a smaller model with the same tokenizer)")
+                   help="speculative decoding: ngram (prompt lookup), mtp (the model's own MTP layers) or draft:MODEL (a smaller model with the same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="guesses verified per step with --speculative (default 4)")
 

@@ -98,6 +98,11 @@ class Engine:
         except ValueError as e:
             raise SlipstreamError(str(e)) from None
         self.spec_max_batch = speculative_max_batch
+        self.needs_hidden = getattr(self.proposer, "needs_hidden", False)   # MTP reads the target's states
+        if self.needs_hidden:
+            self.proposer.kv = self.kv
+            if self.runtime is not None:
+                raise SlipstreamError("MTP speculation needs the eager runtime (it reads hidden states)")
         self.spec = SpecStats(num_speculative_tokens)
         self.requests: dict[str, Request] = {}     # in flight, followers included
         self._merge_index: dict[tuple, Request] = {}
@@ -289,11 +294,20 @@ class Engine:
             seqs.append(self._seq_slice(r, i, 1, pos + 1))
         step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
                          torch.arange(len(batch)))
-        logits = self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
-        for r in batch:
+        logits = self._forward(step)
+        for i, r in enumerate(batch):
+            if self.needs_hidden:
+                self.proposer.observe(r, positions[i], self._hidden[i:i + 1])
             r.kv.num_tokens += 1
             self._commit_blocks(r)
         return logits
+
+    def _forward(self, step: StepInput) -> torch.Tensor:
+        """The target's step; with an MTP proposer also keeps every row's hidden state."""
+        if self.needs_hidden:
+            logits, self._hidden = self.model.forward(step, self.kv, return_hidden=True)
+            return logits
+        return self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
 
     # -- speculative decoding -------------------------------------------------------------------
     def _propose(self, batch: list[Request]) -> tuple[list[list[int]], list[list | None]] | None:
@@ -327,9 +341,11 @@ class Engine:
         """One target step over each request's last token and its guesses, then keep the prefix
         of guesses the target agrees with (see speculative.py)."""
         tokens, positions, slots, seqs = [], [], [], []
+        base_pos: dict[int, int] = {}
         row = 0
         for r, d in zip(batch, drafts):
             pos = r.num_tokens - 1
+            base_pos[id(r)] = pos
             r.kv.reserve(pos + 1 + len(d))
             toks = [r.output_ids[-1]] + d
             tokens += toks
@@ -341,7 +357,7 @@ class Engine:
         step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
                          torch.arange(row))
         with matvec_only():   # the same kernels, row for row, as plain decode steps
-            logits = self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
+            logits = self._forward(step)
         now = time.perf_counter()
         events: list[StepEvent] = []
         row = 0
@@ -371,6 +387,8 @@ class Engine:
             # KV now holds the last token and the kept guesses; the newest token goes in next step
             r.kv.num_tokens = r.num_tokens - 1
             self._commit_blocks(r)
+            if self.needs_hidden:   # the rows whose KV the target kept
+                self.proposer.observe(r, base_pos[id(r)], self._hidden[base:base + kept + 1])
             self.proposer.verified(r)
         return events
 
@@ -404,8 +422,12 @@ class Engine:
                 done.append(r)
         step = StepInput(torch.tensor(tokens), torch.cat(positions), torch.cat(slots), seqs,
                          torch.tensor(rows, dtype=torch.long))
-        logits = self.model.forward(step, self.kv)
-        for r, _, end in chunks:
+        logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv)
+        row = 0
+        for r, start, end in chunks:
+            if self.needs_hidden:
+                self.proposer.observe(r, start, self._hidden[row:row + end - start])
+            row += end - start
             r.kv.num_tokens = end
             self._commit_blocks(r)
         return self._sample(done, logits) if done else []

@@ -176,8 +176,9 @@ def make_proposer(spec: str | None, k: int, target=None, tokenizer=None) -> Prop
     if spec == "ngram":
         return NgramProposer(k)
     if spec == "mtp":
-        raise ValueError("--speculative mtp is not wired into the engine yet (the DeepSeek/GLM models have MTP "
-                         "layers, the proposer that drives them is still to come); use ngram or draft:MODEL")
+        from slipstream.engine.mtp import MTPProposer
+
+        return MTPProposer(target, k)
     if spec.startswith("draft:"):
         from slipstream.engine.draft import DraftModelProposer
         from slipstream.models import build_model

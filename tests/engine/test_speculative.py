@@ -45,7 +45,7 @@ def test_ngram_proposes_what_followed_the_latest_match():
 
 def test_unknown_or_unavailable_methods_are_clear_errors():
     assert make_proposer(None, 4) is None
-    for spec, msg in [("bogus", "unknown speculative"), ("mtp", "not wired")]:
+    for spec, msg in [("bogus", "unknown speculative"), ("mtp", "MTP layers")]:
         with pytest.raises(ValueError, match=msg):
             make_proposer(spec, 4)
 

@@ -32,6 +32,7 @@ from slipstream.models import build_model  # noqa: E402
 from slipstream.models.deepseek import DeepseekModel  # noqa: E402
 from slipstream.models.llama import SeqSlice, StepInput  # noqa: E402
 from slipstream.weights.safetensors import load_hf  # noqa: E402
+from slipstream.errors import SlipstreamError  # noqa: E402
 
 VOCAB = 128
 ATOL = 1e-4
@@ -449,25 +450,19 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@pytest.mark.parametrize("name", ["v3", "glm4_moe"])
-def test_mtp_layer_matches_its_equations(name: str, tmp_path: Path):
-    """A checkpoint with one MTP layer (model.layers.3.*: enorm, hnorm, eh_proj, a MoE decoder
-    layer, shared_head). Reference, with transformers' own decoder-layer class for the block:
-        h_i   = final-normed hidden state of the main model at position i
-        x_i   = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])
-        x     = DecoderLayer(x) over positions 0..n-1 (causal)
-        logit = shared_head.head(shared_head.norm(x_i))
-    checked on a prefill of all rows, then one decode step through the MTP layer's own KV."""
+def save_with_mtp_layer(hf, folder: Path, seed: int = 32):
+    """Save `hf` with one extra random MTP layer (model.layers.{N}.*) and num_nextn_predict_layers 1;
+    returns (the decoder block, the MTP-only weights) for reference computations."""
     from safetensors.torch import save_file
-    model_type, extra = VARIANTS[name]
-    hf = hf_model(model_type, extra, seed=31)
-    folder = tmp_path / name
+
     hf.save_pretrained(folder, safe_serialization=True)
+    write_tokenizer(folder)
     c = hf.config
+    N = c.num_hidden_layers
     D = c.hidden_size
     block = type(hf.model.layers[1])(c, layer_idx=1).eval()
-    _randomize(block, seed=32)
-    g = torch.Generator().manual_seed(33)
+    _randomize(block, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     extra_w = {"enorm.weight": 1 + 0.2 * torch.randn(D, generator=g),
                "hnorm.weight": 1 + 0.2 * torch.randn(D, generator=g),
                "eh_proj.weight": torch.randn(D, 2 * D, generator=g) / (2 * D) ** 0.5,
@@ -486,12 +481,27 @@ def test_mtp_layer_matches_its_equations(name: str, tmp_path: Path):
         else:
             tensors[k] = v
     tensors.update(extra_w)
-    save_file({f"model.layers.3.{k}": v.contiguous() for k, v in tensors.items()},
+    save_file({f"model.layers.{N}.{k}": v.contiguous() for k, v in tensors.items()},
               str(folder / "mtp.safetensors"))
     conf = json.loads((folder / "config.json").read_text())
     conf["num_nextn_predict_layers"] = 1
     (folder / "config.json").write_text(json.dumps(conf))
+    return block, extra_w
 
+
+@pytest.mark.parametrize("name", ["v3", "glm4_moe"])
+def test_mtp_layer_matches_its_equations(name: str, tmp_path: Path):
+    """A checkpoint with one MTP layer (model.layers.3.*: enorm, hnorm, eh_proj, a MoE decoder
+    layer, shared_head). Reference, with transformers' own decoder-layer class for the block:
+        h_i   = final-normed hidden state of the main model at position i
+        x_i   = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)])
+        x     = DecoderLayer(x) over positions 0..n-1 (causal)
+        logit = shared_head.head(shared_head.norm(x_i))
+    checked on a prefill of all rows, then one decode step through the MTP layer's own KV."""
+    model_type, extra = VARIANTS[name]
+    hf = hf_model(model_type, extra, seed=31)
+    folder = tmp_path / name
+    block, extra_w = save_with_mtp_layer(hf, folder)
     cfg, weights = load_hf(folder)
     model = build_model(cfg, weights)
     assert len(model.mtp) == 1 and model.num_cache_layers == 4
@@ -554,3 +564,33 @@ def test_unsupported_model_type_lists_family(tmp_path: Path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v2"}))
     with pytest.raises(ModelLoadError, match="deepseek_v3"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["v3", "glm4_moe"])
+def test_mtp_speculation_through_the_engine_is_lossless(name: str, tmp_path: Path):
+    """`--speculative mtp`: the model's own MTP layer drafts, the target verifies; greedy output is
+    the plain greedy output, and a draft is made at nearly every step (the MTP state follows the
+    target through prefill, verification and rollback)."""
+    model_type, extra = VARIANTS[name]
+    hf = hf_model(model_type, extra, seed=41)
+    folder = tmp_path / name
+    save_with_mtp_layer(hf, folder, seed=42)
+    prompts = [prompt(10, seed=1), prompt(17, seed=2)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = LLM(str(folder), max_model_len=128, kv_cache_tokens=256).generate(prompts, params)
+    spec = LLM(str(folder), max_model_len=128, kv_cache_tokens=256, speculative="mtp", num_speculative_tokens=2)
+    out = spec.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+    s = spec.engine.stats()
+    steps = s.spec_verifications
+    assert steps > 0 and s.spec_emitted_tokens >= steps
+    # every verification step of every sequence carried guesses: 2 x 31 tokens over <= 31 steps each
+    assert steps >= 2 * 31 / 3
+    assert s.kv_blocks_in_use == 0 and not spec.engine.proposer.state
+    sampled = spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
+    assert [len(o.token_ids) for o in sampled] == [12, 12]
+
+
+def test_mtp_speculation_needs_mtp_layers(tiny):
+    with pytest.raises(SlipstreamError, match="MTP layers"):
+        LLM(str(tiny.folder), max_model_len=128, kv_cache_tokens=256, speculative="mtp")
