@@ -589,6 +589,14 @@ def test_mtp_speculation_through_the_engine_is_lossless(name: str, tmp_path: Pat
     assert s.kv_blocks_in_use == 0 and not spec.engine.proposer.state
     sampled = spec.generate(prompts, SamplingParams(max_tokens=12, temperature=0.7, ignore_eos=True))
     assert [len(o.token_ids) for o in sampled] == [12, 12]
+    # another tiny MoE model of the family, same vocabulary, as a draft model: lossless too
+    other = tmp_path / "draft"
+    hf_model(*VARIANTS["v3_noqlora_yarn"], seed=43).save_pretrained(other, safe_serialization=True)
+    write_tokenizer(other)
+    drafted = LLM(str(folder), max_model_len=128, kv_cache_tokens=256, speculative=f"draft:{other}",
+                  num_speculative_tokens=3)
+    assert [o.token_ids for o in drafted.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert drafted.engine.stats().spec_verifications > 0
 
 
 def test_mtp_speculation_needs_mtp_layers(tiny):
