@@ -1,0 +1,172 @@
+"""Small-batch matrix-vector products y = x W^T (x [M, K], M of 1-8 rows; W [N, K]).
+
+Weight formats (the same layouts as `slipstream/weights/quant.py`, so packed weights load as is):
+  dense:  W bf16/fp16/fp32 [N, K]
+  int8:   data int8 [N, K], scale fp32 [N, K/group] (group 32; per-row scales: scale [N] or [N, 1],
+          group = K);                                           w = scale * q
+  int4:   data uint8 [N, K/2], scale and min fp32 [N, K/32]; within each group of 32 weights,
+          byte j (0..15) holds weight j in its low nibble and weight j+16 in its high nibble;
+                                                                w = scale * q + min
+Grid (cdiv(N, BLOCK_N), SPLIT_K): each program computes all M rows for one tile of N over one
+K-range, accumulating in float32. With SPLIT_K > 1 the partials go to a [SPLIT_K, M, N] fp32
+workspace and are summed by a second deterministic kernel (no atomics). `accumulate=True` adds
+the result into `out` (the engine's residual-add convention, `Linear(..., accumulate=True)`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DENSE, INT8, INT4 = 0, 1, 2
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, part_ptr, M, N, K, stride_x, stride_out,
+                   k_per_split, n_groups,
+                   FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   ACCUMULATE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        wm = n_mask[:, None] & k_mask[None, :]
+        if FMT == 0:
+            w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0.0)
+            w = w.to(tl.float32)
+        elif FMT == 1:
+            q = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0).to(tl.float32)
+            sc = tl.load(s_ptr + rows[:, None] * n_groups + (offs_k // GROUP)[None, :], mask=wm,
+                         other=0.0)
+            w = q * sc
+        else:
+            g = offs_k // 32
+            i = offs_k % 32
+            byte = tl.load(w_ptr + rows[:, None] * (K // 2) + (g * 16 + i % 16)[None, :], mask=wm,
+                           other=0)
+            shift = ((i >= 16).to(tl.int32) * 4)[None, :]
+            q = ((byte.to(tl.int32) >> shift) & 15).to(tl.float32)
+            goff = rows[:, None] * n_groups + g[None, :]
+            sc = tl.load(s_ptr + goff, mask=wm, other=0.0)
+            mn = tl.load(mn_ptr + goff, mask=wm, other=0.0)
+            w = q * sc + mn
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    mn_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        o_ptrs = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
+    else:
+        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mn_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, M, N, stride_out, SPLIT_K: tl.constexpr,
+                          SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs_s = tl.arange(0, SPLIT_PAD)
+    mask = offs < N
+    p = tl.load(part_ptr + (offs_s[:, None] * M + row) * N + offs[None, :],
+                mask=(offs_s[:, None] < SPLIT_K) & mask[None, :], other=0.0)
+    y = tl.sum(p, axis=0)
+    o_ptrs = out_ptr + row * stride_out + offs
+    if ACCUMULATE:
+        y += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _fmt_of(w: torch.Tensor, scale, mn) -> int:
+    if scale is None:
+        return DENSE
+    if w.dtype == torch.int8:
+        return INT8
+    assert w.dtype == torch.uint8 and mn is not None, "int4 needs uint8 data and a min"
+    return INT4
+
+
+def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+           mn: torch.Tensor | None = None, out: torch.Tensor | None = None, accumulate: bool = False,
+           group: int = 32, block_n: int = 32, block_k: int = 64, split_k: int = 1,
+           workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ out if accumulate). x [M, K]; see the module docstring for W's formats."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    M, K = x.shape
+    fmt = _fmt_of(w, scale, mn)
+    N = w.shape[0]
+    assert w.is_contiguous()
+    if fmt == INT4:
+        assert w.shape[1] * 2 == K and K % 32 == 0
+        group, n_groups = 32, K // 32
+    elif fmt == INT8:
+        assert w.shape[1] == K
+        scale = scale.reshape(N, -1)
+        n_groups = scale.shape[1]
+        group = K if n_groups == 1 else group
+        assert n_groups * group == K
+    else:
+        assert w.shape[1] == K
+        n_groups = 1
+    if out is None:
+        assert not accumulate
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    assert out.stride(1) == 1
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    if split_k > 1:
+        part = workspace if workspace is not None else torch.empty(
+            (split_k, M, N), dtype=torch.float32, device=x.device)
+    else:
+        part = out
+    dummy = x
+    _matvec_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, w, scale if scale is not None else dummy, mn if mn is not None else dummy, out, part,
+        M, N, K, x.stride(0), out.stride(0), k_per_split, n_groups,
+        FMT=fmt, GROUP=group, BLOCK_M=max(triton.next_power_of_2(M), 1), BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate)
+    if split_k > 1:
+        blk = min(1024, triton.next_power_of_2(N))
+        _splitk_reduce_kernel[(M, triton.cdiv(N, blk))](
+            part, out, M, N, out.stride(0), SPLIT_K=split_k,
+            SPLIT_PAD=max(triton.next_power_of_2(split_k), 2), BLOCK=blk, ACCUMULATE=accumulate)
+    return out
+
+
+def dequantize_ref(w: torch.Tensor, scale: torch.Tensor | None = None, mn: torch.Tensor | None = None,
+                   group: int = 32) -> torch.Tensor:
+    """float32 [N, K] weights from any of the formats (the same maths as `Linear.dequantize`)."""
+    fmt = _fmt_of(w, scale, mn)
+    N = w.shape[0]
+    if fmt == DENSE:
+        return w.float()
+    if fmt == INT8:
+        K = w.shape[1]
+        s = scale.reshape(N, -1).float()
+        gs = K // s.shape[1]
+        return (w.view(N, -1, gs).float() * s[:, :, None]).view(N, K)
+    K = w.shape[1] * 2
+    p = w.view(N, K // 32, 16)
+    q = torch.cat([p & 15, p >> 4], dim=-1).float()
+    return (scale.view(N, -1, 1) * q + mn.view(N, -1, 1)).view(N, K)
+
+
+def matvec_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+               mn: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               accumulate: bool = False) -> torch.Tensor:
+    y = x.float() @ dequantize_ref(w, scale, mn).T
+    if accumulate:
+        y = y + out.float()
+    return y.to(x.dtype)
