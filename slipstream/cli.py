@@ -13,7 +13,7 @@ from typing import Sequence
 
 from slipstream.errors import SlipstreamError
 
-MODEL_HELP = "a .gguf file, a Hugging Face folder, or smollm2-135m (the default)"
+MODEL_HELP = "a .gguf file, a Hugging Face folder, a compiled artifact, or smollm2-135m (the default)"
 
 
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+
+    k = sub.add_parser("compile", help="write an ahead-of-time artifact that serve/generate/chat load directly")
+    k.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    k.add_argument("--out", required=True, help="the artifact directory (created)")
 
     from slipstream.bench.cli import add_parser as add_bench_parser   # argparse only: no heavy imports
     add_bench_parser(sub)
@@ -224,6 +228,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from slipstream.weights.artifact import compile_model
+
+    m = compile_model(args.model, args.out)
+    print(f"compiled {m['name']} ({m['config']['architecture']}, {m['config']['num_layers']} layers) into "
+          f"{args.out} in {m['compile_s']:.1f} s; use it as the MODEL of generate, chat or serve", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -238,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             from slipstream.bench.cli import run as run_bench
             return run_bench(args)
-        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+                "compile": cmd_compile}[args.command](args)
     except SlipstreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -73,15 +73,16 @@ class LlamaModel:
         self.layers = []
         for i in range(cfg.num_layers):
             w = weights[f"layers.{i}"]
-            self.layers.append({
+            self.layers.append({   # a compiled artifact holds QKV and gate/up already fused
                 "attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"],
-                "qkv": concat_rows([w["q"], w["k"], w["v"]]),
+                "qkv": w["qkv"] if "qkv" in w else concat_rows([w["q"], w["k"], w["v"]]),
                 "o": w["o"],
-                "gate_up": concat_rows([w["gate"], w["up"]]),
+                "gate_up": w["gate_up"] if "gate_up" in w else concat_rows([w["gate"], w["up"]]),
                 "down": w["down"],
                 "q_norm": w.get("q_norm"), "k_norm": w.get("k_norm"),
             })
-        self.inv_freq = rope_inv_freq(cfg, weights.get("rope_freqs"))
+        inv = weights.get("inv_freq")
+        self.inv_freq = inv if inv is not None else rope_inv_freq(cfg, weights.get("rope_freqs"))
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg

@@ -34,12 +34,13 @@ def resolve_model(name: str | os.PathLike | None) -> Path:
     if p.is_file():
         return p
     if p.is_dir():
-        if (p / "config.json").exists():
+        if (p / "config.json").exists() or (p / "slipstream-artifact.json").exists():
             return p
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-        raise ModelLoadError(f"{p}: neither a Hugging Face folder (config.json) nor a folder with one .gguf")
+        raise ModelLoadError(f"{p}: neither a Hugging Face folder (config.json), a compiled artifact, "
+                             "nor a folder with one .gguf")
     raise ModelLoadError(f"model not found: {name} (give a .gguf file, a Hugging Face folder, "
                          f"or {DEFAULT_MODEL})")
 
@@ -58,6 +59,10 @@ def load_model(name: str | os.PathLike | None = None) -> LoadedModel:
 
     path = resolve_model(name)
     display = DEFAULT_MODEL if name is None or str(name).lower() in DEFAULT_ALIASES else str(name)
+    from slipstream.weights.artifact import is_artifact, load_artifact
+
+    if is_artifact(path):   # compiled ahead of time: weights already in the kernels' layout
+        return load_artifact(path)
     if path.is_file():
         from slipstream.weights.gguf import load_gguf
 

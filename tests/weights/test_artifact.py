@@ -1,0 +1,79 @@
+"""`slipstream compile`: an artifact written once and loaded directly gives the same tokenizer, the
+same weights and the same greedy tokens as the model it came from, and loads much faster."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from support import skip_unless_default_model
+
+from slipstream import LLM, SamplingParams
+from slipstream.errors import ModelLoadError
+from slipstream.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    skip_unless_default_model()
+    out = tmp_path_factory.mktemp("art") / "smollm2"
+    p = subprocess.run([sys.executable, "-m", "slipstream", "compile", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert "compiled smollm2-135m" in p.stderr
+    return out
+
+
+def test_the_artifact_is_the_same_model(artifact):
+    a, b = load_model(artifact), load_model(None)
+    assert a.config == b.config
+    for text in ["The capital of France is", "  two spaces, digits 12345", "日本の首都は 😀", "<|im_start|>user"]:
+        assert a.tokenizer.encode(text) == b.tokenizer.encode(text)
+    assert a.tokenizer.eos_token_ids == b.tokenizer.eos_token_ids
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert a.tokenizer.apply_chat_template(msgs, add_generation_prompt=True) == \
+        b.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    la, lb = LLM(artifact), LLM()
+    assert la.engine.runtime_name == lb.engine.runtime_name == "native"
+    for L1, L2 in zip(la.model.layers, lb.model.layers):
+        for k in ("qkv", "o", "gate_up", "down"):
+            assert torch.equal(L1[k].data, L2[k].data) and torch.equal(L1[k].scale, L2[k].scale)
+    p = SamplingParams(max_tokens=24, temperature=0)
+    prompts = ["Once upon a time", "def fib(n):"]
+    assert [o.token_ids for o in la.generate(prompts, p)] == [o.token_ids for o in lb.generate(prompts, p)]
+    manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
+    assert manifest["format"] == 1 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
+
+
+def test_it_loads_faster_than_the_gguf(artifact):
+    t = time.perf_counter()
+    load_model(artifact)
+    art = time.perf_counter() - t
+    t = time.perf_counter()
+    load_model(None)
+    gguf = time.perf_counter() - t
+    assert art < gguf / 3, (art, gguf)
+
+
+def test_generate_runs_from_the_artifact(artifact):
+    p = subprocess.run([sys.executable, "-m", "slipstream", "generate", str(artifact), "-p", "Hello", "--max-tokens",
+                        "4", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["token_ids"]) == 4
+
+
+def test_broken_artifacts_are_clear_errors(artifact, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "slipstream-artifact.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(ModelLoadError, match="format 99"):
+        load_model(bad)
+    (bad / "slipstream-artifact.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="unreadable"):
+        load_model(bad)
+    (bad / "slipstream-artifact.json").write_text((artifact / "slipstream-artifact.json").read_text())
+    with pytest.raises(ModelLoadError, match="weights.safetensors is missing"):
+        load_model(bad)
