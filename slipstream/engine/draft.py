@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import _draw
-from slipstream.engine.speculative import target_probs
+from slipstream.engine.sampling import _draw, sampling_distribution
 from slipstream.kv.blocks import OutOfBlocks, SequenceKV
 from slipstream.models.llama import SeqSlice, StepInput
 from slipstream.weights.quant import matvec_only
@@ -32,10 +31,6 @@ class DraftModelProposer:
         self.runtime = NativeDecoder(model, self.kv) if NativeDecoder.supports(model) else None
         self.seqs: dict[str, SequenceKV] = {}
 
-    def _read(self, seq: SequenceKV, context: int):
-        rng = seq.contiguous_range(context)
-        return rng if rng is not None else seq.slots(0, context)
-
     def _catch_up(self, r: Request, seq: SequenceKV) -> None:
         """Compute the draft's KV for every token the target has accepted but the draft has not seen."""
         ids, target = r.all_token_ids, r.num_tokens - 1
@@ -44,7 +39,7 @@ class DraftModelProposer:
             end = min(target, start + PREFILL_CHUNK)
             seq.reserve(end)
             step = StepInput(torch.tensor(ids[start:end]), torch.arange(start, end), seq.slots(start, end),
-                             [SeqSlice(0, end - start, end, self._read(seq, end))], torch.tensor([end - start - 1]))
+                             [SeqSlice(0, end - start, end, seq.read_slots(end))], torch.tensor([end - start - 1]))
             self.model.forward(step, self.kv)
             seq.num_tokens = end
 
@@ -71,7 +66,7 @@ class DraftModelProposer:
                 tokens.append(last[i])
                 positions.append(pos)
                 slots.append(seq.slots(pos, pos + 1))
-                seqs.append(SeqSlice(row, 1, pos + 1, self._read(seq, pos + 1)))
+                seqs.append(SeqSlice(row, 1, pos + 1, seq.read_slots(pos + 1)))
             step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
                              torch.arange(len(rows)))
             with matvec_only():
@@ -81,7 +76,7 @@ class DraftModelProposer:
                 if r.params.greedy:
                     d = int(logits[row].argmax())
                 else:
-                    q = target_probs(logits[row].float(), r.params)
+                    q = sampling_distribution(logits[row].float(), r.params)
                     d = _draw(q, r.generator)
                     qs[i].append(q)          # type: ignore[union-attr]
                 drafts[i].append(d)

@@ -281,8 +281,7 @@ class Engine:
         self._unindex(r)
 
     def _seq_slice(self, r: Request, row: int, n: int, context: int) -> SeqSlice:
-        rng = r.kv.contiguous_range(context)
-        return SeqSlice(row, n, context, rng if rng is not None else r.kv.slots(0, context))
+        return SeqSlice(row, n, context, r.kv.read_slots(context))
 
     def _decode(self, batch: list[Request]) -> torch.Tensor:
         tokens, positions, slots, seqs = [], [], [], []

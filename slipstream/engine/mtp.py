@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import _draw
-from slipstream.engine.speculative import target_probs
+from slipstream.engine.sampling import _draw, sampling_distribution
 from slipstream.models.llama import SeqSlice, StepInput
 
 
@@ -85,7 +84,7 @@ class MTPProposer:
     def _pick(self, r: Request, logits: torch.Tensor, q: list | None) -> int:
         if r.params.greedy:
             return int(logits.argmax())
-        p = target_probs(logits.float(), r.params)
+        p = sampling_distribution(logits.float(), r.params)
         q.append(p)                 # type: ignore[union-attr]
         return _draw(p, None)       # never the request's generator: seeded output must not change
 

@@ -206,14 +206,14 @@ def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor
     return torch.sort(probs, descending=True)
 
 
-def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
-    """Draw one token from a penalised logits row ``[V]`` (float32)."""
+def _candidates(row: torch.Tensor, sp: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights a random row draws from: temperature -> top-k -> top-p -> min-p.
+
+    Returns (weights, ids): weights over the candidate ids (descending when ids is given), or
+    over the whole vocabulary when ids is None; not necessarily normalised. Needs top_k != 1.
+    """
     vocab = row.numel()
     top_k = sp.top_k if 0 < sp.top_k < vocab else 0
-    if top_k == 1:
-        # One candidate: nothing to draw, and argmax keeps torch's lowest-id tie rule.
-        return int(row.argmax())
-
     t = sp.temperature
     ids: torch.Tensor | None  # candidate ids when working on a sorted subset, else None
     if top_k:
@@ -237,9 +237,36 @@ def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator | No
     if sp.min_p > 0.0:
         # Relative to the max, so it does not matter that ``probs`` may be unnormalised.
         probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
+    return probs, ids
 
+
+def _single_candidate(row: torch.Tensor, sp: SamplingParams) -> bool:
+    # One candidate: nothing to draw, and argmax keeps torch's lowest-id tie rule.
+    return sp.top_k == 1 and row.numel() > 1
+
+
+def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
+    """Draw one token from a penalised logits row ``[V]`` (float32)."""
+    if _single_candidate(row, sp):
+        return int(row.argmax())
+    probs, ids = _candidates(row, sp)
     j = _draw(probs, gen)
     return int(ids[j]) if ids is not None else j
+
+
+def sampling_distribution(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """The normalised distribution [V] that `_sample_row` draws from for this row."""
+    if _single_candidate(row, sp):
+        out = torch.zeros(row.numel(), dtype=torch.float32)
+        out[int(row.argmax())] = 1.0
+        return out
+    probs, ids = _candidates(row, sp)
+    if ids is None:
+        out = probs.clone()
+    else:
+        out = torch.zeros(row.numel(), dtype=torch.float32)
+        out[ids] = probs
+    return out / out.sum()
 
 
 def _last_positive(weights: torch.Tensor) -> int:

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from slipstream.engine.sampling import SamplingParams, _draw, _nucleus_candidates, apply_penalties
+from slipstream.engine.sampling import SamplingParams, _draw, apply_penalties, sampling_distribution
 
 
 class Proposer(Protocol):
@@ -99,38 +99,6 @@ class SpecStats:
         return self.emitted / self.verifications if self.verifications else 0.0
 
 
-def target_probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """The distribution [V] the sampler draws from for a penalised logits row (temperature,
-    top-k, top-p and min-p applied, normalised)."""
-    vocab = row.numel()
-    top_k = sp.top_k if 0 < sp.top_k < vocab else 0
-    out = torch.zeros(vocab, dtype=torch.float32)
-    if top_k == 1:
-        out[int(row.argmax())] = 1.0
-        return out
-    t = sp.temperature
-    ids: torch.Tensor | None
-    if top_k:
-        vals, ids = torch.topk(row, top_k)
-        probs = torch.softmax(vals / t, dim=-1)
-    elif sp.top_p < 1.0:
-        probs, ids = _nucleus_candidates(torch.softmax(row / t, dim=-1), sp.top_p)
-    else:
-        probs, ids = torch.softmax(row / t, dim=-1), None
-    if sp.top_p < 1.0:
-        before = torch.cumsum(probs, dim=-1) - probs
-        n_keep = max(1, int((before < sp.top_p).sum()))
-        probs = probs[:n_keep]
-        ids = ids[:n_keep] if ids is not None else None
-    if sp.min_p > 0.0:
-        probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)
-    if ids is None:
-        out = probs.clone()
-    else:
-        out[ids] = probs
-    return out / out.sum()
-
-
 def rejection_sample(p: torch.Tensor, draft: int, q: torch.Tensor | None,
                      gen: torch.Generator | None) -> tuple[int, bool]:
     """Keep `draft` (drawn from q; None = a point mass on it) or replace it, so that the result
@@ -162,7 +130,7 @@ def verify_row(row: torch.Tensor, sp: SamplingParams, prompt_ids: list[int], out
     if sp.greedy:
         tok = int(row.argmax())
         return tok, draft is not None and tok == draft, row
-    p = target_probs(row, sp)
+    p = sampling_distribution(row, sp)
     if draft is None:
         return _draw(p, gen), False, row
     tok, kept = rejection_sample(p, draft, q, gen)

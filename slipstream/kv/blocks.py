@@ -169,6 +169,11 @@ class SequenceKV:
             return start, start + end
         return None
 
+    def read_slots(self, end: int) -> tuple[int, int] | torch.Tensor:
+        """Where attention reads tokens [0, end): a slot range when contiguous, else the slot ids."""
+        rng = self.contiguous_range(end)
+        return rng if rng is not None else self.slots(0, end)
+
     def release(self) -> None:
         self.cache.allocator.free(self.block_table)
         self.block_table = []

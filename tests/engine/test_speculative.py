@@ -12,7 +12,8 @@ from support import skip_unless_default_model
 from slipstream import LLM, SamplingParams
 from slipstream.engine.engine import Engine
 from slipstream.engine.request import Request
-from slipstream.engine.speculative import NgramProposer, make_proposer, rejection_sample, target_probs
+from slipstream.engine.sampling import sampling_distribution
+from slipstream.engine.speculative import NgramProposer, make_proposer, rejection_sample
 from slipstream.errors import SlipstreamError
 
 CODE = '''def compute_total(items):
@@ -84,12 +85,12 @@ def test_rejection_sampling_output_follows_the_target(with_q):
     assert abs(kept / n - expected_kept) < 0.01
 
 
-def test_target_probs_is_the_samplers_distribution():
+def test_sampling_distribution_is_the_samplers_distribution():
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     sp = SamplingParams(temperature=0.5, top_k=3)
-    p = target_probs(row, sp)
+    p = sampling_distribution(row, sp)
     assert p[3] == p[4] == 0 and torch.allclose(p[:3], torch.softmax(row[:3] / 0.5, 0))
-    p = target_probs(row, SamplingParams(temperature=1.0, top_p=0.6))
+    p = sampling_distribution(row, SamplingParams(temperature=1.0, top_p=0.6))
     assert (p > 0).sum() == 2 and math.isclose(float(p.sum()), 1.0, rel_tol=1e-6)
 
 
