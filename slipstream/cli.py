@@ -12,6 +12,7 @@ import time
 from typing import Sequence
 
 from slipstream.errors import SlipstreamError
+from slipstream.runtime import RUNTIMES
 
 MODEL_HELP = "a .gguf file, a Hugging Face folder, a compiled artifact, or smollm2-135m (the default)"
 
@@ -33,8 +34,8 @@ def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--runtime", choices=["auto", "eager", "native"], default="auto",
-                   help="decode step executor (auto: native CPU kernels where they apply)")
+    p.add_argument("--runtime", choices=list(RUNTIMES), default="auto",
+                   help="decode step executor: eager (torch reference), native (CPU kernels), graph (CUDA graphs), megakernel (one persistent kernel); auto: graph on a GPU, else native where it applies")
     p.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding: ngram (prompt lookup), mtp (the model's own MTP layers) or draft:MODEL (a smaller model with the same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",

@@ -27,6 +27,7 @@ from slipstream.engine.speculative import SpecStats, make_proposer, verify_row
 from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
+from slipstream.runtime.select import build_runtime, resolve_runtime
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30
@@ -85,12 +86,15 @@ class Engine:
         per_token = model.kv_bytes_per_token()
         if kv_cache_tokens is None:
             kv_cache_tokens = max(self.max_model_len, min(2 * self.max_model_len, KV_BUDGET_BYTES // per_token))
+        self.runtime_name = resolve_runtime(runtime, model)    # may move the model to the GPU
         self.kv = model.new_kv_cache(-(-kv_cache_tokens // block_size), block_size)
         self.prefix_cache = PrefixCache(self.kv, enabled=enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, self.prefix_cache, max_batch, prefill_chunk, max_waiting)
         self.enable_merging = enable_merging
         self.sampler = Sampler()
-        self.runtime = self._pick_runtime(runtime)
+        # a speculative step verifies K + 1 rows per sequence
+        rows = max_batch * (num_speculative_tokens + 1 if speculative else 1)
+        self.runtime = build_runtime(self.runtime_name, model, self.kv, rows, self.max_model_len)
         if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
             raise SlipstreamError(f"num_speculative_tokens must be in 1..16, got {num_speculative_tokens!r}")
         try:
@@ -108,24 +112,6 @@ class Engine:
         self._merge_index: dict[tuple, Request] = {}
         self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
         self.num_merged = 0
-
-    def _pick_runtime(self, runtime: str):
-        """The decode step's executor: the native CPU step where it applies, else eager torch."""
-        from slipstream.runtime.cpu_native import NativeDecoder
-
-        if runtime not in ("auto", "eager", "native"):
-            raise ValueError(f"unknown runtime {runtime!r} (auto, eager, native)")
-        supported = NativeDecoder.supports(self.model)
-        if runtime == "native" and not supported:
-            raise SlipstreamError("the native runtime needs packed GGUF weights (Q4_0/Q4_1/Q8_0/Q4_K) "
-                                  "without q/k/v biases, and the native kernels; use --runtime auto or eager")
-        if runtime == "eager" or not supported:
-            return None
-        return NativeDecoder(self.model, self.kv)
-
-    @property
-    def runtime_name(self) -> str:
-        return "eager" if self.runtime is None else "native"
 
     @property
     def max_batch(self) -> int:
@@ -306,7 +292,9 @@ class Engine:
         if self.needs_hidden:
             logits, self._hidden = self.model.forward(step, self.kv, return_hidden=True)
             return logits
-        return self.model.forward(step, self.kv) if self.runtime is None else self.runtime.forward(step)
+        if self.runtime is None:
+            return self.model.forward(step, self.kv).cpu()   # sampling runs on the host
+        return self.runtime.forward(step)
 
     # -- speculative decoding -------------------------------------------------------------------
     def _propose(self, batch: list[Request]) -> tuple[list[list[int]], list[list | None]] | None:
@@ -421,7 +409,7 @@ class Engine:
                 done.append(r)
         step = StepInput(torch.tensor(tokens), torch.cat(positions), torch.cat(slots), seqs,
                          torch.tensor(rows, dtype=torch.long))
-        logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv)
+        logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
         row = 0
         for r, start, end in chunks:
             if self.needs_hidden:

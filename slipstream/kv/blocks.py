@@ -95,14 +95,14 @@ class PagedKVCache:
     """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         # empty, not zeros: pages are only committed when written, and attention never reads a
         # slot before its token was stored
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
 
     @property

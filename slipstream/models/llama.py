@@ -37,6 +37,13 @@ class StepInput:
     seqs: list[SeqSlice]
     logits_rows: torch.Tensor      # rows whose logits are wanted (last token of each sequence)
 
+    def to(self, device: torch.device) -> "StepInput":
+        mv = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        seqs = [SeqSlice(s.start, s.length, s.context, s.read if isinstance(s.read, tuple) else mv(s.read))
+                for s in self.seqs]
+        return StepInput(mv(self.token_ids), mv(self.positions), mv(self.write_slots), seqs,
+                         mv(self.logits_rows))
+
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     dim = cfg.head_dim
@@ -83,14 +90,35 @@ class LlamaModel:
             })
         inv = weights.get("inv_freq")
         self.inv_freq = inv if inv is not None else rope_inv_freq(cfg, weights.get("rope_freqs"))
+        self.device = self.embed.data.device
+        self.kv_dtype = torch.float32   # the cache's element type: the weights' on a GPU
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> "LlamaModel":
+        """Moves the weights to `device` (dense ones cast to `dtype`; norms and RoPE stay float32) and
+        makes new KV caches there in `dtype`. The residual stream and norms compute in float32."""
+        moved: dict[int, Linear] = {}   # keeps tied embeddings tied
+
+        def mv(w):
+            if isinstance(w, Linear):
+                if id(w) not in moved:
+                    moved[id(w)] = w.to(device, dtype)
+                return moved[id(w)]
+            return None if w is None else w.to(device=device, dtype=torch.float32)
+        self.embed, self.lm_head, self.norm = mv(self.embed), mv(self.lm_head), mv(self.norm)
+        self.layers = [{k: mv(v) for k, v in L.items()} for L in self.layers]
+        self.inv_freq = self.inv_freq.to(device)
+        self.device = torch.device(device)
+        self.kv_dtype = dtype
+        return self
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         c = self.cfg
-        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                            dtype=self.kv_dtype, device=self.device)
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -110,6 +138,7 @@ class LlamaModel:
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
             k, v = layer_k.index_select(0, s.read), layer_v.index_select(0, s.read)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         mask = None
         causal = False
@@ -117,8 +146,8 @@ class LlamaModel:
             if s.length == s.context:
                 causal = True
             else:  # chunk after cached tokens: query i sees keys up to context - length + i
-                i = torch.arange(s.length)[:, None]
-                j = torch.arange(s.context)[None, :]
+                i = torch.arange(s.length, device=q.device)[:, None]
+                j = torch.arange(s.context, device=q.device)[None, :]
                 mask = j <= (s.context - s.length + i)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
                                              enable_gqa=kh.shape[0] != qh.shape[0])
@@ -131,7 +160,9 @@ class LlamaModel:
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         qd, kd = H * D, KVH * D
         eps = c.rms_norm_eps
-        x = self.embed.dequantize(step.token_ids)
+        if self.device.type != "cpu":
+            step = step.to(self.device)
+        x = self.embed.dequantize(step.token_ids).to(torch.float32)
         cos, sin = self._rope_tables(step.positions)
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), L["attn_norm"], eps)
@@ -145,8 +176,8 @@ class LlamaModel:
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             lk, lv = kv.k[li], kv.v[li]
-            lk.index_copy_(0, step.write_slots, k)
-            lv.index_copy_(0, step.write_slots, v)
+            lk.index_copy_(0, step.write_slots, k.to(lk.dtype))
+            lv.index_copy_(0, step.write_slots, v.to(lv.dtype))
             if len(step.seqs) == 1:
                 attn = self._attention(q, lk, lv, step.seqs[0])
             else:

@@ -1,0 +1,3 @@
+"""Executors of one forward step (see `select.py`); this module stays import-light for the CLI."""
+
+RUNTIMES = ("auto", "eager", "native", "graph", "megakernel")

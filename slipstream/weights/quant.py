@@ -95,6 +95,12 @@ class Linear:
         qs = b[..., BLOCK_BYTES[fmt] - 16:].reshape(n, k // 2).contiguous()
         return Linear(n, k, qs, fmt, d.contiguous(), m.contiguous())
 
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Linear":
+        """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs)."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        data = self.data.to(device=device, dtype=dtype) if self.fmt is None and dtype else self.data.to(device)
+        return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.min), mv(self.bias))
+
     def select_rows(self, rows: torch.Tensor) -> "Linear":
         pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
         return Linear(int(rows.numel()), self.k, pick(self.data), self.fmt, pick(self.scale),
@@ -138,9 +144,11 @@ class Linear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
         """y = x @ W.T (+ bias) for x [rows, K]; with accumulate=True adds into `out` (residual add)."""
-        lib = load_library() if self.fmt is not None else None
-        if lib is None:
-            y = torch.nn.functional.linear(x, self.dequantize(), self.bias)
+        lib = load_library() if self.fmt is not None and self.data.device.type == "cpu" else None
+        if lib is None:   # dense weights, or no native kernels (a GPU): torch in the weight's dtype
+            w = self.dequantize()
+            bias = None if self.bias is None else self.bias.to(w.dtype)
+            y = torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)

@@ -51,14 +51,15 @@ def test_swiglu(dtype):
     torch.testing.assert_close(swiglu.swiglu(gu, block=32).float(), swiglu.swiglu_ref(gu).float(), **tol)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_kv_append(qk_norm):
+@pytest.mark.parametrize("qk_norm,padded", [(False, False), (True, False), (False, True)])
+def test_rope_kv_append(qk_norm, padded):
     g = gen(3)
     B, H, KVH, D, slots_n = 3, 4, 2, 16, 64
     qkv = rand(B, (H + 2 * KVH) * D, g=g)
     positions = torch.tensor([0, 7, 300], device=DEV)
     inv_freq = (1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))).to(DEV)
-    slots = torch.tensor([5, 17, 42], device=DEV)
+    # slot -1: a padded row of a CUDA-graph batch bucket, which must leave the cache untouched
+    slots = torch.tensor([5, -1, 42] if padded else [5, 17, 42], device=DEV)
     qn = rand(D, g=g) if qk_norm else None
     kn = rand(D, g=g) if qk_norm else None
     kc = rand(slots_n, KVH, D, g=g)

@@ -101,7 +101,7 @@ def _fmt_of(w: torch.Tensor, scale, mn) -> int:
 def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            mn: torch.Tensor | None = None, out: torch.Tensor | None = None, accumulate: bool = False,
            group: int = 32, block_n: int = 32, block_k: int = 64, split_k: int = 1,
-           workspace: torch.Tensor | None = None) -> torch.Tensor:
+           workspace: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
     """y = x @ W^T (+ out if accumulate). x [M, K]; see the module docstring for W's formats."""
     assert x.dim() == 2 and x.stride(1) == 1
     M, K = x.shape
@@ -136,7 +136,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
         x, w, scale if scale is not None else dummy, mn if mn is not None else dummy, out, part,
         M, N, K, x.stride(0), out.stride(0), k_per_split, n_groups,
         FMT=fmt, GROUP=group, BLOCK_M=max(triton.next_power_of_2(M), 1), BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate)
+        BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate, num_warps=num_warps)
     if split_k > 1:
         blk = min(1024, triton.next_power_of_2(N))
         _splitk_reduce_kernel[(M, triton.cdiv(N, blk))](

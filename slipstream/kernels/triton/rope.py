@@ -51,12 +51,13 @@ def _rope_kv_append_kernel(qkv_ptr, pos_ptr, inv_freq_ptr, slot_ptr, q_out_ptr, 
     else:
         kvh = head - H
         slot = tl.load(slot_ptr + row).to(tl.int64)
-        dst = k_ptr + (slot * KVH + kvh) * D
-        tl.store(dst + offs, o1.to(k_ptr.dtype.element_ty))
-        tl.store(dst + HALF + offs, o2.to(k_ptr.dtype.element_ty))
-        offs_d = tl.arange(0, D)
-        v = tl.load(qkv_ptr + row * stride_qkv + (H + KVH + kvh) * D + offs_d)
-        tl.store(v_ptr + (slot * KVH + kvh) * D + offs_d, v.to(v_ptr.dtype.element_ty))
+        if slot >= 0:   # a negative slot is a padded row of a fixed-size (CUDA-graph) batch
+            dst = k_ptr + (slot * KVH + kvh) * D
+            tl.store(dst + offs, o1.to(k_ptr.dtype.element_ty))
+            tl.store(dst + HALF + offs, o2.to(k_ptr.dtype.element_ty))
+            offs_d = tl.arange(0, D)
+            v = tl.load(qkv_ptr + row * stride_qkv + (H + KVH + kvh) * D + offs_d)
+            tl.store(v_ptr + (slot * KVH + kvh) * D + offs_d, v.to(v_ptr.dtype.element_ty))
 
 
 def rope_kv_append(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -64,7 +65,7 @@ def rope_kv_append(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
                    num_heads: int, num_kv_heads: int, head_dim: int,
                    q_out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
                    k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """qkv [B, (H+2KVH)*D], positions [B] (int), inv_freq [D/2] float32, slots [B] (int),
+    """qkv [B, (H+2KVH)*D], positions [B] (int), inv_freq [D/2] float32, slots [B] (int, < 0: no store),
     k_cache/v_cache [slots, KVH, D] contiguous. Writes k/v in place; returns q [B, H, D]."""
     H, KVH, D = num_heads, num_kv_heads, head_dim
     B = qkv.shape[0]
@@ -104,6 +105,7 @@ def rope_kv_append_ref(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: tor
         half = t.shape[-1] // 2
         return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
-    k_cache.index_copy_(0, slots.long(), rot(k).to(k_cache.dtype))
-    v_cache.index_copy_(0, slots.long(), v.to(v_cache.dtype))
+    keep = slots >= 0   # negative slots: padded rows that store nothing
+    k_cache.index_copy_(0, slots[keep].long(), rot(k)[keep].to(k_cache.dtype))
+    v_cache.index_copy_(0, slots[keep].long(), v[keep].to(v_cache.dtype))
     return rot(q).to(qkv.dtype)

@@ -1,0 +1,212 @@
+"""The whole-step CUDA-graph runtime: the Triton decode step over static buffers, captured once
+per batch-size bucket (1, 2, 4, 8, ...) and replayed every step.
+
+A captured step runs embedding -> every layer -> final norm -> LM head -> greedy token selection
+with no host synchronisation inside: token ids, positions, write slots, block tables and context
+lengths live in fixed device buffers that are filled before the replay; the attention grid is sized
+by the static maximum context, not by this step's. A batch smaller than its bucket is padded with
+rows whose write slot is -1 (the RoPE/KV-append kernel stores nothing for them) and whose context is
+one token; rows are independent, so padding never changes a real row's result.
+
+Without CUDA (`capture=False`) the same body runs uncaptured (under Triton's interpreter on a CPU),
+which is how the tests check it against the eager step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.kernels.triton.configs import KernelConfigs
+from slipstream.kv.blocks import PagedKVCache
+from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.runtime.triton_step import TritonDecoder
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    out = [1]
+    while out[-1] < max_batch:
+        out.append(out[-1] * 2)
+    return out
+
+
+@dataclass
+class _Static:
+    """Every tensor a captured step reads or writes: allocated once per bucket, never reallocated."""
+    batch: int
+    tokens: torch.Tensor        # int64 [B]
+    positions: torch.Tensor     # int64 [B]
+    slots: torch.Tensor         # int64 [B], -1 on padded rows
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context: torch.Tensor       # int32 [B]
+    x: torch.Tensor             # float32 [B, hidden]: the residual stream
+    h: torch.Tensor
+    qkv: torch.Tensor
+    q: torch.Tensor             # [B, H, D]
+    attn: torch.Tensor          # [B, H, D]
+    gate_up: torch.Tensor
+    act: torch.Tensor
+    logits: torch.Tensor        # float32 [B, vocab]
+    next_tokens: torch.Tensor   # int64 [B]: greedy choice, on the device
+    attn_ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    matvec_ws: dict[tuple[int, int], torch.Tensor]
+    graph: "torch.cuda.CUDAGraph | None" = None
+
+
+class GraphDecoder:
+    """Decode steps of a Llama-family model as one replayed CUDA graph each (or, uncaptured, as a
+    fixed sequence of Triton launches over static buffers)."""
+
+    name = "graph"
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8,
+                 max_context: int | None = None, capture: bool | None = None,
+                 configs: KernelConfigs | None = None):
+        self.model, self.kv = model, kv
+        self.step_kernels = TritonDecoder(model, kv)     # checks the model is supported
+        self.device = kv.k.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("CUDA-graph capture needs the model and KV cache on a CUDA device")
+        self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
+        self.max_blocks = -(-self.max_context // kv.block_size)
+        self.buckets = buckets_up_to(max_batch)
+        self.configs = configs or KernelConfigs()
+        self._static: dict[int, _Static] = {}
+
+    # -- buffers and the captured body ---------------------------------------------------------
+    def _alloc(self, B: int) -> _Static:
+        c = self.model.cfg
+        dev = self.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        part = self.configs.attention["partition"]
+        splits = -(-self.max_context // part)
+        ws = {}
+        for n, k in self._matvec_shapes():
+            sk = self.configs.matvec_for(B, n, k)["split_k"]
+            if sk > 1:
+                ws[(n, k)] = torch.empty((sk, B, n), **f32)
+        s = _Static(
+            batch=B,
+            tokens=torch.zeros(B, dtype=torch.int64, device=dev),
+            positions=torch.zeros(B, dtype=torch.int64, device=dev),
+            slots=torch.full((B,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev),
+            context=torch.ones(B, dtype=torch.int32, device=dev),
+            x=torch.empty(B, c.hidden_size, **f32), h=torch.empty(B, c.hidden_size, **f32),
+            qkv=torch.empty(B, (H + 2 * KVH) * D, **f32), q=torch.empty(B, H, D, **f32),
+            attn=torch.empty(B, H, D, **f32), gate_up=torch.empty(B, 2 * c.intermediate_size, **f32),
+            act=torch.empty(B, c.intermediate_size, **f32), logits=torch.empty(B, c.vocab_size, **f32),
+            next_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
+            attn_ws=(torch.empty(B, H, splits, D, **f32), torch.empty(B, H, splits, **f32),
+                     torch.empty(B, H, splits, **f32)),
+            matvec_ws=ws)
+        return s
+
+    def _matvec_shapes(self) -> list[tuple[int, int]]:
+        c = self.model.cfg
+        H, KVH, D, Hd, F = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
+        return [((H + 2 * KVH) * D, Hd), (Hd, H * D), (2 * F, Hd), (Hd, F), (c.vocab_size, Hd)]
+
+    def _matvec(self, s: _Static, x: torch.Tensor, w: tuple, out: torch.Tensor, accumulate: bool = False) -> None:
+        from slipstream.kernels.triton.matvec import matvec
+
+        n, k = out.shape[1], x.shape[1]
+        p = self.configs.matvec_for(s.batch, n, k)
+        matvec(x, *w, out=out, accumulate=accumulate, block_n=p["block_n"], block_k=p["block_k"],
+               split_k=p["split_k"], num_warps=p["num_warps"], workspace=s.matvec_ws.get((n, k)))
+
+    def _body(self, s: _Static) -> None:
+        """One decode step on the static buffers: only kernel launches, no host synchronisation."""
+        from slipstream.kernels.triton.attention import paged_decode_attention
+        from slipstream.kernels.triton.norm import add_rmsnorm
+        from slipstream.kernels.triton.rope import rope_kv_append
+        from slipstream.kernels.triton.sample import greedy
+        from slipstream.kernels.triton.swiglu import swiglu
+
+        m, c, W = self.model, self.model.cfg, self.step_kernels
+        H, KVH, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        B = s.batch
+        att = self.configs.attention
+        s.x.copy_(m.embed.dequantize(s.tokens))
+        for li, (L, Wl) in enumerate(zip(m.layers, W.layers)):
+            add_rmsnorm(s.x, None, L["attn_norm"], eps, out=s.h)
+            self._matvec(s, s.h, Wl["qkv"], s.qkv)
+            rope_kv_append(s.qkv, s.positions, m.inv_freq, s.slots, self.kv.k[li], self.kv.v[li],
+                           H, KVH, D, q_out=s.q, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps)
+            paged_decode_attention(s.q, self.kv.k[li], self.kv.v[li], s.block_tables, s.context,
+                                   self.max_context, block_size=self.kv.block_size,
+                                   partition=att["partition"], block_n=att["block_n"], out=s.attn,
+                                   workspace=s.attn_ws)
+            self._matvec(s, s.attn.view(B, H * D), Wl["o"], s.x, accumulate=True)
+            add_rmsnorm(s.x, None, L["ffn_norm"], eps, out=s.h)
+            self._matvec(s, s.h, Wl["gate_up"], s.gate_up)
+            swiglu(s.gate_up, out=s.act)
+            self._matvec(s, s.act, Wl["down"], s.x, accumulate=True)
+        add_rmsnorm(s.x, None, m.norm, eps, out=s.h)
+        self._matvec(s, s.h, W.lm_head, s.logits)
+        greedy(s.logits, out=s.next_tokens)
+
+    def _capture(self, s: _Static) -> None:
+        """Warm up (compiles every kernel) on a side stream, then record the step into a graph."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(s)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._body(s)
+        s.graph = graph
+
+    def static(self, batch: int) -> _Static:
+        """The buffers (and, on CUDA, the captured graph) of the smallest bucket holding `batch`."""
+        B = next((b for b in self.buckets if b >= batch), None)
+        if B is None:
+            raise ValueError(f"batch {batch} exceeds the largest captured bucket {self.buckets[-1]}")
+        if B not in self._static:
+            s = self._alloc(B)
+            if self.capture:
+                self._capture(s)
+            self._static[B] = s
+        return self._static[B]
+
+    def capture_all(self) -> None:
+        """Captures every bucket now (start-up), so no request pays for a capture."""
+        for b in self.buckets:
+            self.static(b)
+
+    def replay(self, s: _Static) -> None:
+        if s.graph is not None:
+            s.graph.replay()
+        else:
+            self._body(s)
+
+    # -- the engine's interface ----------------------------------------------------------------
+    def fill(self, s: _Static, step: StepInput) -> None:
+        """Copies one step's inputs into the bucket's buffers; rows past the batch become padding."""
+        n = step.token_ids.shape[0]
+        bt, ctx = self.step_kernels._block_tables(step)
+        if int(ctx.max()) > self.max_context:
+            raise ValueError(f"context {int(ctx.max())} exceeds the runtime's maximum {self.max_context}")
+        tables = torch.zeros(s.batch, self.max_blocks, dtype=torch.int32)
+        tables[:n, :bt.shape[1]] = bt
+        pad = s.batch - n
+        tokens = torch.cat([step.token_ids.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
+        positions = torch.cat([step.positions.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
+        slots = torch.cat([step.write_slots.long().cpu(), torch.full((pad,), -1, dtype=torch.int64)])
+        context = torch.cat([ctx, torch.ones(pad, dtype=torch.int32)])
+        for dst, src in ((s.tokens, tokens), (s.positions, positions), (s.slots, slots),
+                         (s.block_tables, tables), (s.context, context)):
+            dst.copy_(src, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Logits (float32, on the CPU) of the step's `logits_rows`, one new token per sequence."""
+        if any(q.length != 1 for q in step.seqs):
+            raise ValueError("the graph runtime decodes one token per sequence")
+        s = self.static(step.token_ids.shape[0])
+        self.fill(s, step)
+        self.replay(s)
+        return s.logits.index_select(0, step.logits_rows.to(s.logits.device)).cpu()

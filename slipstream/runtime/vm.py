@@ -1,0 +1,225 @@
+"""A torch executor of plans (`plan.py`): the CPU reference for the persistent Triton megakernel.
+
+It runs the task table in order, one task at a time, at exactly the kernel's tile granularity,
+reading and writing the same flat buffers through views, so a wrong offset, tile bound or event in
+a plan shows up here as a wrong logit or a failed wait. All arithmetic is float32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kv.blocks import PagedKVCache
+from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.runtime.plan import (LAYER, N_OFF, OP, SIG_EV, T0, T1, W_OFF, WAIT_COUNT, WAIT_EV, Op, Plan,
+                                     PlanError, TileConfig, compile_plan, describe_task, fill_inputs, new_buffers,
+                                     pack_weights)
+
+
+class _Views:
+    """Typed views of the flat buffers for one plan."""
+
+    def __init__(self, plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, inv_freq: torch.Tensor):
+        B, H, S, D = plan.batch, plan.num_heads, plan.splits, plan.head_dim
+        a, n = plan.acts, plan.ints
+        self.plan, self.W, self.k, self.v = plan, W, k, v
+        self.inv_freq = inv_freq.to(torch.float32)
+        self.x = A[a.x:a.x + B * plan.hidden_size].view(B, plan.hidden_size)
+        self.q = A[a.q:a.q + B * H * D].view(B, H, D)
+        self.part_acc = A[a.part_acc:a.part_acc + B * H * S * D].view(B, H, S, D)
+        self.part_m = A[a.part_m:a.part_m + B * H * S].view(B, H, S)
+        self.part_l = A[a.part_l:a.part_l + B * H * S].view(B, H, S)
+        self.attn = A[a.attn:a.attn + B * H * D].view(B, H * D)
+        self.act = A[a.act:a.act + B * plan.intermediate_size].view(B, plan.intermediate_size)
+        self.logits = A[a.logits:a.logits + B * plan.vocab_size].view(B, plan.vocab_size)
+        self.tokens = I[n.tokens:n.tokens + B]
+        self.positions = I[n.positions:n.positions + B]
+        self.write_slots = I[n.write_slots:n.write_slots + B]
+        self.context_lens = I[n.context_lens:n.context_lens + B]
+        self.block_tables = I[n.block_tables:n.block_tables + B * plan.max_blocks].view(B, plan.max_blocks)
+        self.next_tokens = I[n.next_tokens:n.next_tokens + B]
+
+    def matrix(self, offset: int, rows: int, cols: int) -> torch.Tensor:
+        """A whole [rows, cols] weight matrix of W (the task slices its tile)."""
+        return self.W[offset:offset + rows * cols].view(rows, cols)
+
+    def normed_x(self, norm_off: int) -> torch.Tensor:
+        """RMSNorm of the residual stream (statistics in float32) times the norm weight at `norm_off`."""
+        p = self.plan
+        w = self.W[norm_off:norm_off + p.hidden_size].float()
+        x = self.x
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p.rms_norm_eps) * w
+
+    def rope(self, y: torch.Tensor) -> torch.Tensor:
+        """LlamaModel._rope on [B, D] rows at each row's position (half-rotation layout)."""
+        half = y.shape[-1] // 2
+        angle = self.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = angle.cos(), angle.sin()
+        y1, y2 = y[:, :half], y[:, half:]
+        return torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
+
+    def slots(self, b: int, lo: int, hi: int) -> torch.Tensor:
+        """Cache slots of tokens [lo, hi) of row b, through its block table."""
+        bs = self.plan.block_size
+        t = torch.arange(lo, hi, device=self.block_tables.device)
+        return self.block_tables[b, t // bs] * bs + t % bs
+
+
+# -- one function per opcode: (views, layer, t0, t1, w_off, n_off) ---------------------------------
+def _embed(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    Hd = m.plan.hidden_size
+    idx = w_off + m.tokens[:, None] * Hd + torch.arange(t0, t1, device=m.tokens.device)[None, :]
+    m.x[:, t0:t1] = m.W[idx].float()
+
+
+def _qkv_rope(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    H, KVH, D = p.num_heads, p.num_kv_heads, p.head_dim
+    rows = m.matrix(w_off, (H + 2 * KVH) * D, p.hidden_size)[t0 * D:(t0 + 1) * D].float()
+    y = m.normed_x(n_off) @ rows.T                       # [B, D]
+    if t0 < H:
+        m.q[:, t0] = m.rope(y)
+        return
+    cache, kvh = (m.k, t0 - H) if t0 < H + KVH else (m.v, t0 - H - KVH)
+    if cache is m.k:
+        y = m.rope(y)
+    for b, slot in enumerate(m.write_slots.tolist()):
+        if slot >= 0:
+            cache[layer, slot, kvh] = y[b].to(cache.dtype)
+
+
+def _attn_split(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    g, s, G, P = t0, t1, p.group, p.tiles.partition
+    heads = slice(g * G, (g + 1) * G)
+    for b, ctx in enumerate(m.context_lens.tolist()):
+        lo, hi = s * P, min((s + 1) * P, ctx)
+        if lo >= hi:
+            m.part_m[b, heads, s] = -math.inf
+            m.part_l[b, heads, s] = 0.0
+            m.part_acc[b, heads, s] = 0.0
+            continue
+        slots = m.slots(b, lo, hi)
+        keys = m.k[layer, slots, g].float()              # [n, D]
+        values = m.v[layer, slots, g].float()
+        scores = (m.q[b, heads] @ keys.T) / math.sqrt(p.head_dim)   # [G, n]
+        mx = scores.max(-1).values
+        e = torch.exp(scores - mx[:, None])
+        m.part_m[b, heads, s] = mx
+        m.part_l[b, heads, s] = e.sum(-1)
+        m.part_acc[b, heads, s] = e @ values
+
+
+def _attn_reduce(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    G, D, P = p.group, p.head_dim, p.tiles.partition
+    for b, ctx in enumerate(m.context_lens.tolist()):
+        used = -(-ctx // P)
+        ms = m.part_m[b, t0 * G:(t0 + 1) * G, :used]        # [G, used]
+        scale = torch.exp(ms - ms.max(-1, keepdim=True).values)
+        num = (scale[..., None] * m.part_acc[b, t0 * G:(t0 + 1) * G, :used]).sum(1)   # [G, D]
+        den = (scale * m.part_l[b, t0 * G:(t0 + 1) * G, :used]).sum(-1)
+        m.attn[b, t0 * G * D:(t0 + 1) * G * D] = (num / den[:, None]).reshape(-1)
+
+
+def _o_proj(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    wo = m.matrix(w_off, p.hidden_size, p.num_heads * p.head_dim)[t0:t1].float()
+    m.x[:, t0:t1] += m.attn @ wo.T
+
+
+def _gate_up(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    Fd = p.intermediate_size
+    wgu = m.matrix(w_off, 2 * Fd, p.hidden_size)
+    h = m.normed_x(n_off)
+    gate = h @ wgu[t0:t1].float().T
+    up = h @ wgu[Fd + t0:Fd + t1].float().T
+    m.act[:, t0:t1] = F.silu(gate) * up
+
+
+def _down(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    wd = m.matrix(w_off, p.hidden_size, p.intermediate_size)[t0:t1].float()
+    m.x[:, t0:t1] += m.act @ wd.T
+
+
+def _lm_head(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    p = m.plan
+    wlm = m.matrix(w_off, p.vocab_size, p.hidden_size)[t0:t1].float()
+    m.logits[:, t0:t1] = m.normed_x(n_off) @ wlm.T
+
+
+def _argmax(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    m.next_tokens.copy_(m.logits.argmax(-1))   # torch returns the first maximal index
+
+
+_EXEC: dict[Op, Callable[..., None]] = {
+    Op.EMBED: _embed, Op.QKV_ROPE: _qkv_rope, Op.ATTN_SPLIT: _attn_split, Op.ATTN_REDUCE: _attn_reduce,
+    Op.O_PROJ: _o_proj, Op.GATE_UP: _gate_up, Op.DOWN: _down, Op.LM_HEAD: _lm_head, Op.ARGMAX: _argmax,
+}
+
+
+@torch.inference_mode()
+def run_plan(plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             inv_freq: torch.Tensor, E: torch.Tensor | None = None) -> None:
+    """Executes the plan's tasks in order over the flat buffers, checking each wait before the task runs
+    (PlanError when an event has not reached its count: the plan's order is broken) and signalling after.
+    `E` defaults to fresh zeroed counters; pass a zeroed one to inspect the final counts."""
+    if E is None:
+        E = torch.zeros(plan.num_events, dtype=torch.int32)
+    views = _Views(plan, W, A, I, k, v, inv_freq)
+    counts = E.tolist()      # mirrored on the host: one read per task would dominate on a GPU
+    for i, r in enumerate(plan.tasks.tolist()):
+        if r[WAIT_EV] >= 0 and counts[r[WAIT_EV]] < r[WAIT_COUNT]:
+            raise PlanError(f"{describe_task(plan, i)} waits for {r[WAIT_COUNT]} signals of event "
+                            f"'{plan.event_names[r[WAIT_EV]]}' but only {counts[r[WAIT_EV]]} arrived before it")
+        _EXEC[Op(r[OP])](views, r[LAYER], r[T0], r[T1], r[W_OFF], r[N_OFF])
+        counts[r[SIG_EV]] += 1
+    E.copy_(torch.tensor(counts, dtype=torch.int32))
+
+
+class PlanDecoder:
+    """Decode steps of a Llama-family model through plans run by the VM: the same interface as
+    `TritonDecoder`. One plan per batch bucket (powers of two up to `max_batch`); a step with fewer
+    sequences is padded with rows that write no KV."""
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
+                 tiles: TileConfig = TileConfig()):
+        self.model, self.kv, self.max_batch, self.tiles = model, kv, max_batch, tiles
+        self.max_context = max_context or min(model.cfg.max_position_embeddings, kv.capacity_tokens)
+        self.W, self.layout = pack_weights(model, torch.float32, "cpu")
+        self.inv_freq = model.inv_freq.to("cpu", torch.float32)
+        self._plans: dict[int, tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.next_tokens: torch.Tensor | None = None    # the last step's greedy tokens (ARGMAX)
+
+    def bucket(self, batch: int) -> int:
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"batch {batch} outside [1, {self.max_batch}]")
+        return min(1 << (batch - 1).bit_length(), self.max_batch)
+
+    def plan_for(self, batch: int) -> tuple[Plan, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(plan, A, I, E) of the bucket holding `batch`, compiled on first use."""
+        size = self.bucket(batch)
+        if size not in self._plans:
+            plan = compile_plan(self.model.cfg, size, self.max_context, self.kv.block_size, self.layout, self.tiles)
+            self._plans[size] = (plan, *new_buffers(plan))
+        return self._plans[size]
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Logits [len(step.logits_rows), V] (float32) of one decode step; greedy tokens in `next_tokens`."""
+        B = int(step.token_ids.shape[0])
+        plan, A, I, E = self.plan_for(B)
+        fill_inputs(plan, I, step, self.kv.block_size)
+        E.zero_()
+        run_plan(plan, self.W, A, I, self.kv.k, self.kv.v, self.inv_freq, E)
+        n = plan.ints.next_tokens
+        self.next_tokens = I[n:n + B].clone()
+        lo = plan.acts.logits
+        logits = A[lo:lo + B * plan.vocab_size].view(B, plan.vocab_size)
+        return logits.index_select(0, step.logits_rows.cpu()).clone()

@@ -1,0 +1,113 @@
+"""The whole-step graph runtime against the eager step: uncaptured under Triton's interpreter on a
+CPU (the same launches over the same static buffers that a CUDA graph records), captured on a GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from slipstream.kernels.triton.configs import KernelConfigs  # noqa: E402
+from slipstream.kv.blocks import SequenceKV  # noqa: E402
+from slipstream.models.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from slipstream.models.random_init import random_llama, shape_config  # noqa: E402
+from slipstream.runtime.graph import GraphDecoder, buckets_up_to  # noqa: E402
+
+BLOCK = 4
+# small tiles and partitions so that split-K matvecs and several attention splits actually run
+CONFIGS = KernelConfigs(matvec={}, attention={"partition": 16, "block_n": 8})
+
+
+def _prefill(model: LlamaModel, kv, seq: SequenceKV, prompt: list[int]) -> int:
+    n = len(prompt)
+    seq.reserve(n + 16)
+    step = StepInput(torch.tensor(prompt), torch.arange(n), seq.slots(0, n), [SeqSlice(0, n, n, seq.slots(0, n))],
+                     torch.tensor([n - 1]))
+    return int(model.forward(step, kv).argmax())
+
+
+def _decode_step(seqs: list[SequenceKV], tokens: list[int], positions: list[int]) -> StepInput:
+    slots = torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)])
+    sl = [SeqSlice(i, 1, p + 1, s.slots(0, p + 1)) for i, (s, p) in enumerate(zip(seqs, positions))]
+    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
+
+
+def _run(model: LlamaModel, capture: bool, configs: KernelConfigs, steps: int = 4):
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4], [42]]
+    kv_e, kv_g = model.new_kv_cache(64, BLOCK), model.new_kv_cache(64, BLOCK)
+    graph = GraphDecoder(model, kv_g, max_batch=4, max_context=64, capture=capture, configs=configs)
+    seqs_e, seqs_g = [SequenceKV(kv_e) for _ in prompts], [SequenceKV(kv_g) for _ in prompts]
+    seqs_g[1].reserve(3)   # a different block layout in the graph's cache: the tables differ
+    tokens = [_prefill(model, kv_e, s, p) for s, p in zip(seqs_e, prompts)]
+    for s, p in zip(seqs_g, prompts):
+        _prefill(model, kv_g, s, p)
+    positions = [len(p) for p in prompts]
+    for _ in range(steps):
+        le = model.forward(_decode_step(seqs_e, tokens, positions), kv_e)
+        lg = graph.forward(_decode_step(seqs_g, tokens, positions))
+        assert lg.shape == le.shape and lg.device.type == "cpu"
+        assert (le - lg).abs().max().item() < 1e-4 * max(1.0, le.abs().max().item())
+        assert le.argmax(-1).tolist() == lg.argmax(-1).tolist()
+        # the device-side greedy choice agrees with the host's
+        assert graph.static(3).next_tokens[:3].cpu().tolist() == lg.argmax(-1).tolist()
+        tokens = le.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    return graph
+
+
+def test_buckets():
+    assert buckets_up_to(1) == [1]
+    assert buckets_up_to(8) == [1, 2, 4, 8]
+    assert buckets_up_to(6) == [1, 2, 4, 8]
+
+
+def test_graph_body_matches_eager_with_padding_and_split_k():
+    model = random_llama(shape_config("tiny"), seed=3)
+    split = KernelConfigs(matvec={"4,128,64": {"block_n": 16, "block_k": 16, "split_k": 2, "num_warps": 4}},
+                          attention=CONFIGS.attention)
+    graph = _run(model, capture=False, configs=split)
+    s = graph.static(3)
+    assert s.batch == 4 and s.slots[3].item() == -1      # batch 3 ran padded to the 4-bucket
+    assert (128, 64) in s.matvec_ws                       # the fused QKV product used split-K
+
+
+def test_padded_rows_leave_the_cache_alone():
+    model = random_llama(shape_config("tiny"), seed=4)
+    kv = model.new_kv_cache(16, BLOCK)
+    kv.k.zero_()
+    kv.v.zero_()
+    graph = GraphDecoder(model, kv, max_batch=4, max_context=32, capture=False, configs=CONFIGS)
+    seq = SequenceKV(kv)
+    _prefill(model, kv, seq, [5, 6, 7])
+    before_k, before_v = kv.k.clone(), kv.v.clone()
+    graph.forward(_decode_step([seq], [8], [3]))    # bucket 1: no padding
+    graph.forward(_decode_step([seq], [9], [4]))
+    s2 = graph.static(1)
+    assert s2.batch == 1
+    changed = (kv.k != before_k).any(-1).any(-1).any(0).nonzero().flatten().tolist()
+    assert changed == seq.slots(3, 5).tolist()
+
+
+def test_rejects_prefill_and_oversize():
+    model = random_llama(shape_config("tiny"), seed=5)
+    kv = model.new_kv_cache(16, BLOCK)
+    graph = GraphDecoder(model, kv, max_batch=2, max_context=32, capture=False, configs=CONFIGS)
+    seq = SequenceKV(kv)
+    seq.reserve(4)
+    step = StepInput(torch.tensor([1, 2]), torch.arange(2), seq.slots(0, 2), [SeqSlice(0, 2, 2, seq.slots(0, 2))],
+                     torch.tensor([1]))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        graph.forward(step)
+    with pytest.raises(ValueError, match="exceeds the largest"):
+        graph.static(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graph_matches_eager_on_gpu():
+    model = random_llama(shape_config("tiny"), seed=6, device="cuda")
+    graph = _run(model, capture=True, configs=KernelConfigs(), steps=6)
+    assert all(s.graph is not None for s in graph._static.values())
