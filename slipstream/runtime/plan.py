@@ -252,7 +252,7 @@ class Plan:
         lines = [f"plan: {self.num_tasks} tasks, {self.num_events} events; batch {self.batch}, "
                  f"max_context {self.max_context} ({self.splits} splits of {self.tiles.partition}), "
                  f"block_size {self.block_size}",
-                 "  tasks: " + ", ".join(f"{Op(o).name} {n}" for o, n in sorted(ops.items()) if o in Op._value2member_map_)]
+                 "  tasks: " + ", ".join(f"{_op_name(o)} {n}" for o, n in sorted(ops.items()))]
         families: dict[str, list[int]] = {}
         for name, count in zip(self.event_names, self.event_counts):
             families.setdefault(name.split("[")[0], []).append(count)
@@ -452,10 +452,13 @@ def describe_task(plan: Plan, i: int) -> str:
     return _task_text(i, r)
 
 
+def _op_name(op: int) -> str:
+    return Op(op).name if op in Op._value2member_map_ else f"op{op}"
+
+
 def _task_text(i: int, r: list[int]) -> str:
-    name = Op(r[OP]).name if r[OP] in Op._value2member_map_ else f"op{r[OP]}"
-    where = f" layer {r[LAYER]}" if r[OP] in Op._value2member_map_ and Op(r[OP]) in LAYER_OPS else ""
-    return f"task {i} ({name}{where} [{r[T0]}, {r[T1]}))"
+    where = f" layer {r[LAYER]}" if r[OP] in [int(o) for o in LAYER_OPS] else ""
+    return f"task {i} ({_op_name(r[OP])}{where} [{r[T0]}, {r[T1]}))"
 
 
 def validate(plan: Plan) -> None:
@@ -606,9 +609,8 @@ def _check_events(plan: Plan, rows: list[list[int]]) -> None:
         if r[WAIT_COUNT] != plan.event_counts[e]:
             raise PlanError(f"{_task_text(i, r)} waits for {r[WAIT_COUNT]} signals of event '{name}', "
                             f"which receives {plan.event_counts[e]} per step")
-        late = [j for j in signallers[e] if j >= i]
-        if late:
-            j = late[0]
+        if signallers[e] and signallers[e][-1] >= i:
+            j = next(j for j in signallers[e] if j >= i)
             raise PlanError(f"{_task_text(i, r)} waits on event '{name}' but its producer "
                             f"{_task_text(j, rows[j])} is not earlier in the order")
 

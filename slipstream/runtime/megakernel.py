@@ -1,0 +1,439 @@
+"""The persistent megakernel: the whole decode step as ONE launch that runs a compiled task plan.
+
+`plan.py` lowers the step into tile-level tasks in topological order, each waiting on an event
+counter and signalling one. Here one Triton program per SM loops: it takes the next task from an
+atomic ticket counter over that order (so a task only ever waits on tasks that were taken before
+it, by programs that are running: no co-residency assumption, and it runs under
+`TRITON_INTERPRET=1`), spins until its event reaches the expected count (acquire), runs the task's
+opcode, and signals its event (release, after a barrier so every thread's writes are in).
+Intermediate results stay in the flat activation buffer (L2-resident at these sizes); no launch
+separates operators.
+
+Counters are epoch-numbered instead of reset: at step e a wait is satisfied at count * e, and the
+ticket counter of step e starts at (e - 1) * (tasks + programs) (every program draws exactly one
+ticket past the end). A wait that does not complete within `max_spins` polls sets the error word
+(1 + the task's index) and the kernel drains instead of hanging; the host raises `MegakernelError`.
+
+Opcode bodies follow `vm.py` (the torch executor and reference) exactly; see `plan.py` for the
+task table and the buffers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kv.blocks import PagedKVCache
+from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
+                                     fill_inputs, new_buffers, pack_weights, supports, validate)
+
+EPOCH_LIMIT = 1 << 16     # re-zero the counters before the ticket counter can overflow int32
+
+
+class MegakernelError(RuntimeError):
+    """A task waited longer than its bound for an event: a broken plan or a lost signal."""
+
+
+@triton.jit
+def _rms_rstd(x_base, offs_b, b_mask, K, eps, BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr,
+              ROW_STRIDE):
+    """1 / rms of each of the B rows of x ([B, K] at x_base with row stride ROW_STRIDE)."""
+    ss = tl.zeros((BLOCK_B,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
+                    mask=b_mask[:, None] & (offs_k < K)[None, :], other=0.0, cache_modifier=".cg")
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row0, row_end, K,
+             NORM: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr):
+    """acc[b, j] = sum_k xin[b, k] * W[row0 + j, k] for rows row0 + j < row_end, where
+    xin = x * rstd * norm_weight when NORM (the fused RMSNorm), else x. Float32 accumulation."""
+    rows = row0 + tl.arange(0, TILE).to(tl.int64)
+    r_mask = rows < row_end
+    acc = tl.zeros((BLOCK_B, TILE), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
+                    mask=b_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = x * rstd[:, None] * nw[None, :]
+        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return acc
+
+
+@triton.jit
+def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
+                W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
+                B, num_slots, eps, scale,
+                X_OFF, Q_OFF, PACC_OFF, PM_OFF, PL_OFF, ATTN_OFF, ACT_OFF, LOGITS_OFF,
+                TOK_OFF, POS_OFF, SLOT_OFF, CTX_OFF, BT_OFF, NEXT_OFF,
+                Hd, F, V, S, MAX_BLOCKS,
+                H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                S_PAD: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
+                T_LM: tl.constexpr, BLOCK_V: tl.constexpr):
+    nprog = tl.num_programs(0)
+    G: tl.constexpr = H // KVH
+    HALF: tl.constexpr = D // 2
+    queue_ptr = sync_ptr + num_events
+    error_ptr = sync_ptr + num_events + 1
+    ticket_base = (epoch - 1) * (num_tasks + nprog)
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < B
+    offs_d = tl.arange(0, D)
+    offs_h = tl.arange(0, HALF)
+    offs_g = tl.arange(0, G_PAD)
+    g_mask = offs_g < G
+    x_base = A_ptr + X_OFF
+
+    running = True
+    while running:
+        i = tl.atomic_add(queue_ptr, 1) - ticket_base
+        failed = tl.atomic_add(error_ptr, 0) != 0
+        if (i >= num_tasks) | failed:
+            running = False
+        else:
+            row = tasks_ptr + i.to(tl.int64) * 10
+            op = tl.load(row + 0)
+            layer = tl.load(row + 1)
+            t0 = tl.load(row + 2)
+            t1 = tl.load(row + 3)
+            wait_ev = tl.load(row + 4)
+            target = tl.load(row + 5) * epoch
+            sig_ev = tl.load(row + 6)
+            w_off = tl.load(row + 7)
+            n_off = tl.load(row + 8)
+            # -- wait (acquire), bounded ---------------------------------------------------------
+            ok = True
+            if wait_ev >= 0:
+                seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
+                spins = 0
+                while (seen < target) & (spins < max_spins):
+                    seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
+                    spins += 1
+                if seen < target:
+                    tl.atomic_xchg(error_ptr, (i + 1).to(tl.int32))
+                    ok = False
+                    running = False
+            tl.debug_barrier()
+            if ok:
+                w_base = W_ptr + w_off
+                if op == 0:     # EMBED: x[b, t0:t1] = embed[token[b], t0:t1]
+                    cols = t0 + tl.arange(0, T_EMBED)
+                    tok = tl.load(I_ptr + TOK_OFF + offs_b, mask=b_mask, other=0)
+                    m2 = b_mask[:, None] & (cols < t1)[None, :]
+                    e = tl.load(w_base + tok[:, None] * Hd + cols[None, :], mask=m2, other=0.0)
+                    tl.store(x_base + offs_b[:, None] * Hd + cols[None, :], e.to(tl.float32), mask=m2)
+                elif op == 1:   # QKV_ROPE: one head of the fused norm + QKV product, rotated, stored
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
+                    r0 = t0 * D
+                    y1 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF, Hd,
+                                  True, HALF, BLOCK_K, BLOCK_B)
+                    y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0 + HALF, r0 + D, Hd,
+                                  True, HALF, BLOCK_K, BLOCK_B)
+                    slot = tl.load(I_ptr + SLOT_OFF + offs_b, mask=b_mask, other=-1)
+                    if t0 < H + KVH:
+                        pos = tl.load(I_ptr + POS_OFF + offs_b, mask=b_mask, other=0).to(tl.float32)
+                        freqs = pos[:, None] * tl.load(inv_freq_ptr + offs_h)[None, :]
+                        cos = tl.cos(freqs)
+                        sin = tl.sin(freqs)
+                        o1 = y1 * cos - y2 * sin
+                        o2 = y2 * cos + y1 * sin
+                        if t0 < H:
+                            q_dst = A_ptr + Q_OFF + (offs_b[:, None] * H + t0) * D + offs_h[None, :]
+                            tl.store(q_dst, o1, mask=b_mask[:, None])
+                            tl.store(q_dst + HALF, o2, mask=b_mask[:, None])
+                        else:
+                            k_keep = (b_mask & (slot >= 0))[:, None]
+                            k_dst = k_ptr + ((layer * num_slots + slot) * KVH + (t0 - H))[:, None] * D + offs_h[None, :]
+                            tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=k_keep)
+                            tl.store(k_dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=k_keep)
+                    else:
+                        v_keep = (b_mask & (slot >= 0))[:, None]
+                        v_dst = v_ptr + ((layer * num_slots + slot) * KVH + (t0 - H - KVH))[:, None] * D + offs_h[None, :]
+                        tl.store(v_dst, y1.to(v_ptr.dtype.element_ty), mask=v_keep)
+                        tl.store(v_dst + HALF, y2.to(v_ptr.dtype.element_ty), mask=v_keep)
+                elif op == 2:   # ATTN_SPLIT: kv head t0, tokens [t1*P, (t1+1)*P) of every sequence
+                    heads = t0 * G + offs_g
+                    lk = k_ptr + layer * num_slots * KVH * D
+                    lv = v_ptr + layer * num_slots * KVH * D
+                    for b in range(0, B):
+                        ctx = tl.load(I_ptr + CTX_OFF + b)
+                        start = t1 * P
+                        end = tl.minimum(start + P, ctx)
+                        q = tl.load(A_ptr + Q_OFF + (b * H + heads)[:, None] * D + offs_d[None, :],
+                                    mask=g_mask[:, None], other=0.0, cache_modifier=".cg") * scale
+                        m = tl.full((G_PAD,), float("-inf"), tl.float32)
+                        l = tl.zeros((G_PAD,), tl.float32)
+                        acc = tl.zeros((G_PAD, D), tl.float32)
+                        for s0 in range(start, end, BLOCK_T):
+                            t = s0 + tl.arange(0, BLOCK_T)
+                            t_mask = t < end
+                            blk = tl.load(I_ptr + BT_OFF + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=t_mask, other=0)
+                            kv_off = ((blk * BLOCK_SIZE + t % BLOCK_SIZE) * KVH + t0)[:, None] * D + offs_d[None, :]
+                            kk = tl.load(lk + kv_off, mask=t_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                            vv = tl.load(lv + kv_off, mask=t_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                            sc = tl.sum(q[:, None, :] * kk[None, :, :], axis=2)
+                            sc = tl.where(t_mask[None, :], sc, float("-inf"))
+                            m_new = tl.maximum(m, tl.max(sc, axis=1))
+                            alpha = tl.exp(m - m_new)
+                            p = tl.exp(sc - m_new[:, None])
+                            l = l * alpha + tl.sum(p, axis=1)
+                            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv[None, :, :], axis=1)
+                            m = m_new
+                        part = (b * H + heads) * S + t1
+                        tl.store(A_ptr + PM_OFF + part, m, mask=g_mask)
+                        tl.store(A_ptr + PL_OFF + part, l, mask=g_mask)
+                        tl.store(A_ptr + PACC_OFF + part[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+                elif op == 3:   # ATTN_REDUCE: merge the splits of kv head t0's query heads
+                    heads = t0 * G + offs_g
+                    offs_s = tl.arange(0, S_PAD)
+                    for b in range(0, B):
+                        ctx = tl.load(I_ptr + CTX_OFF + b)
+                        s_mask = offs_s < (ctx + P - 1) // P
+                        gs = g_mask[:, None] & s_mask[None, :]
+                        part = (b * H + heads)[:, None] * S + offs_s[None, :]
+                        m = tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"), cache_modifier=".cg")
+                        l = tl.load(A_ptr + PL_OFF + part, mask=gs, other=0.0, cache_modifier=".cg")
+                        m_all = tl.max(m, axis=1)
+                        m_all = tl.where(g_mask, m_all, 0.0)
+                        w = tl.where(gs, tl.exp(m - m_all[:, None]), 0.0)
+                        acc = tl.load(A_ptr + PACC_OFF + part[:, :, None] * D + offs_d[None, None, :],
+                                      mask=gs[:, :, None], other=0.0, cache_modifier=".cg")
+                        den = tl.sum(l * w, axis=1)
+                        den = tl.where(g_mask, den, 1.0)
+                        o = tl.sum(acc * w[:, :, None], axis=1) / den[:, None]
+                        tl.store(A_ptr + ATTN_OFF + (b * H + heads)[:, None] * D + offs_d[None, :], o,
+                                 mask=g_mask[:, None])
+                elif op == 4:   # O_PROJ: x[:, t0:t1] += attn @ Wo[t0:t1]^T
+                    acc = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t1, H * D,
+                                   False, T_O, BLOCK_K, BLOCK_B)
+                    cols = t0 + tl.arange(0, T_O)
+                    m2 = b_mask[:, None] & (cols < t1)[None, :]
+                    dst = x_base + offs_b[:, None] * Hd + cols[None, :]
+                    tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
+                elif op == 5:   # GATE_UP: act[:, t0:t1] = silu(g) * u of the fused norm + gate/up product
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
+                    g = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t1, Hd,
+                                 True, T_GU, BLOCK_K, BLOCK_B)
+                    u = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, F + t0, F + t1, Hd,
+                                 True, T_GU, BLOCK_K, BLOCK_B)
+                    cols = t0 + tl.arange(0, T_GU)
+                    m2 = b_mask[:, None] & (cols < t1)[None, :]
+                    tl.store(A_ptr + ACT_OFF + offs_b[:, None] * F + cols[None, :], g / (1.0 + tl.exp(-g)) * u, mask=m2)
+                elif op == 6:   # DOWN: x[:, t0:t1] += act @ Wdown[t0:t1]^T
+                    acc = _mv_tile(A_ptr + ACT_OFF, F, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t1, F,
+                                   False, T_DOWN, BLOCK_K, BLOCK_B)
+                    cols = t0 + tl.arange(0, T_DOWN)
+                    m2 = b_mask[:, None] & (cols < t1)[None, :]
+                    dst = x_base + offs_b[:, None] * Hd + cols[None, :]
+                    tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
+                elif op == 7:   # LM_HEAD: logits[:, t0:t1] of the fused final norm + LM head
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
+                    acc = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t1, Hd,
+                                   True, T_LM, BLOCK_K, BLOCK_B)
+                    cols = t0 + tl.arange(0, T_LM)
+                    m2 = b_mask[:, None] & (cols < t1)[None, :]
+                    tl.store(A_ptr + LOGITS_OFF + offs_b[:, None] * V + cols[None, :], acc, mask=m2)
+                else:           # ARGMAX: next_tokens[b] = first index of the largest logit
+                    for b in range(0, B):
+                        best = tl.full((1,), float("-inf"), tl.float32)
+                        best_i = tl.zeros((1,), tl.int64)
+                        for v0 in range(0, V, BLOCK_V):
+                            offs_v = v0 + tl.arange(0, BLOCK_V)
+                            lg = tl.load(A_ptr + LOGITS_OFF + b * V + offs_v, mask=offs_v < V,
+                                         other=float("-inf"), cache_modifier=".cg")
+                            cmax = tl.max(lg, axis=0)
+                            cidx = tl.min(tl.where(lg == cmax, offs_v, V), axis=0).to(tl.int64)
+                            better = cmax > best
+                            best_i = tl.where(better, cidx, best_i)
+                            best = tl.where(better, cmax, best)
+                        tl.store(I_ptr + NEXT_OFF + b + tl.arange(0, 1), best_i)
+                # -- signal (release) once every thread's writes are done -----------------------
+                tl.debug_barrier()
+                tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
+
+
+@dataclass
+class _Static:
+    """One batch bucket: its plan and buffers; tokens/positions/... are views into the int buffer."""
+    plan: Plan
+    A: torch.Tensor
+    I: torch.Tensor
+    sync: torch.Tensor          # int32 [events + 2]: event counters, the ticket counter, the error word
+    tasks: torch.Tensor
+    epoch: int = 0
+
+    def _ints(self, off: int, n: int) -> torch.Tensor:
+        return self.I[off:off + n]
+
+    @property
+    def batch(self) -> int:
+        return self.plan.batch
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._ints(self.plan.ints.tokens, self.batch)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._ints(self.plan.ints.positions, self.batch)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._ints(self.plan.ints.write_slots, self.batch)
+
+    @property
+    def context(self) -> torch.Tensor:
+        return self._ints(self.plan.ints.context_lens, self.batch)
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        return self._ints(self.plan.ints.next_tokens, self.batch)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        a = self.plan.acts.logits
+        return self.A[a:a + self.batch * self.plan.vocab_size].view(self.batch, self.plan.vocab_size)
+
+
+def _pow2(n: int) -> int:
+    return max(triton.next_power_of_2(int(n)), 1)
+
+
+def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
+           num_programs: int, max_spins: int = 1 << 22, block_k: int = 64) -> None:
+    """One step: one launch of the persistent kernel over `s.plan` (no host synchronisation)."""
+    p = s.plan
+    if s.epoch >= EPOCH_LIMIT:
+        s.sync.zero_()
+        s.epoch = 0
+    s.epoch += 1
+    a, n = p.acts, p.ints
+    _megakernel[(num_programs,)](
+        s.tasks, p.num_tasks, s.sync, p.num_events, s.epoch, max_spins,
+        W, s.A, s.I, k, v, inv_freq,
+        p.batch, k.shape[1], float(p.rms_norm_eps), 1.0 / math.sqrt(p.head_dim),
+        a.x, a.q, a.part_acc, a.part_m, a.part_l, a.attn, a.act, a.logits,
+        n.tokens, n.positions, n.write_slots, n.context_lens, n.block_tables, n.next_tokens,
+        p.hidden_size, p.intermediate_size, p.vocab_size, p.splits, p.max_blocks,
+        **kernel_constants(p, block_k))
+
+
+def kernel_constants(p: Plan, block_k: int = 64) -> dict[str, int]:
+    """The compile-time constants of the kernel for a plan (one specialisation per model and bucket)."""
+    t = p.tiles
+    return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
+                S_PAD=max(_pow2(p.splits), 2), P=t.partition, BLOCK_SIZE=p.block_size,
+                BLOCK_B=_pow2(p.batch), BLOCK_K=block_k, BLOCK_T=16,
+                T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
+                T_LM=_pow2(t.lm_head), BLOCK_V=1024)
+
+
+def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16") -> str:
+    """The kernel's PTX for `plan` on CUDA architecture `arch` (90 = Hopper), built by Triton's
+    ahead-of-time compiler without a GPU. Must run without TRITON_INTERPRET (the interpreter
+    replaces the JIT functions)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    const = kernel_constants(plan)
+    w = f"*{weight_dtype}"
+    ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "W_ptr": w, "A_ptr": "*fp32", "I_ptr": "*i64",
+            "k_ptr": w, "v_ptr": w, "inv_freq_ptr": "*fp32"}
+    names = _megakernel.arg_names
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n in ("eps", "scale") else "i32") for n in names}
+    src = ASTSource(_megakernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton_compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
+def check(s: _Static) -> None:
+    """Raises if the last step's kernel timed out on a wait (a host synchronisation)."""
+    err = int(s.sync[s.plan.num_events + 1].item())
+    if err:
+        row = s.tasks[err - 1].tolist()
+        s.sync.zero_()
+        s.epoch = 0
+        raise MegakernelError(f"task {err - 1} ({Op(row[0]).name}, layer {row[1]}, tile {row[2]}..{row[3]}) "
+                              f"timed out waiting for event {row[4]} "
+                              f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
+
+
+class MegakernelDecoder:
+    """Decode steps of a Llama-family model as one persistent-kernel launch each."""
+
+    name = "megakernel"
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
+                 tiles: TileConfig | None = None, plans: dict[int, Plan] | None = None,
+                 num_programs: int | None = None):
+        why = supports(model)
+        if why:
+            raise ValueError(why)
+        self.model, self.kv = model, kv
+        self.device = kv.k.device
+        self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
+        self.tiles = tiles or TileConfig()
+        dtype = kv.k.dtype if self.device.type == "cuda" else torch.float32
+        self.W, self.layout = pack_weights(model, dtype=dtype, device=self.device)
+        self.inv_freq = model.inv_freq.to(device=self.device, dtype=torch.float32).contiguous()
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
+        self.plans = dict(plans or {})
+        if num_programs is None:
+            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if self.device.type == "cuda" else 2)
+        self.num_programs = num_programs
+        self._static: dict[int, _Static] = {}
+
+    def plan_for(self, batch: int) -> Plan:
+        if batch not in self.plans:
+            plan = compile_plan(self.model.cfg, batch, self.max_context, self.kv.block_size, self.layout,
+                                self.tiles)
+            validate(plan)
+            self.plans[batch] = plan
+        return self.plans[batch]
+
+    def static(self, batch: int) -> _Static:
+        B = next((b for b in self.buckets if b >= batch), None)
+        if B is None:
+            raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+        if B not in self._static:
+            plan = self.plan_for(B)
+            if plan.max_context != self.max_context or plan.block_size != self.kv.block_size:
+                raise ValueError("the loaded plan was compiled for another context or block size")
+            A, I, E = new_buffers(plan, self.device)
+            sync = torch.zeros(plan.num_events + 2, dtype=torch.int32, device=self.device)
+            self._static[B] = _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
+        return self._static[B]
+
+    def fill(self, s: _Static, step: StepInput) -> None:
+        fill_inputs(s.plan, s.I, step, self.kv.block_size)
+
+    def replay(self, s: _Static) -> None:
+        launch(s, self.W, self.kv.k, self.kv.v, self.inv_freq, self.num_programs)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        if any(q.length != 1 for q in step.seqs):
+            raise ValueError("the megakernel decodes one token per sequence")
+        s = self.static(step.token_ids.shape[0])
+        self.fill(s, step)
+        self.replay(s)
+        check(s)
+        return s.logits.index_select(0, step.logits_rows.to(self.device)).cpu()
+
+
+__all__ = ["MegakernelDecoder", "MegakernelError", "launch", "check", "NUM_COLS", "WeightLayout"]
