@@ -63,7 +63,8 @@ class LLM:
                              kv_cache_tokens=kv_cache_tokens, max_batch=max_batch,
                              prefill_chunk=prefill_chunk, runtime=runtime, max_waiting=max_waiting,
                              enable_prefix_cache=enable_prefix_cache, enable_merging=enable_merging,
-                             speculative=speculative, num_speculative_tokens=num_speculative_tokens)
+                             speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                             runtime_hints=loaded.runtime_hints)
         self.load_time_s = time.perf_counter() - t0
 
     @property

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("compile", help="write an ahead-of-time artifact that serve/generate/chat load directly")
     k.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     k.add_argument("--out", required=True, help="the artifact directory (created)")
+    k.add_argument("--plan-context", type=int, default=None,
+                   help="longest context the megakernel plans cover (default: the model's maximum)")
+    k.add_argument("--tune", action="store_true", help="time the GPU kernels' tiles on this machine's GPU")
 
     from slipstream.bench.cli import add_parser as add_bench_parser   # argparse only: no heavy imports
     add_bench_parser(sub)
@@ -232,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from slipstream.weights.artifact import compile_model
 
-    m = compile_model(args.model, args.out)
+    m = compile_model(args.model, args.out, plan_context=args.plan_context, tune=args.tune)
     print(f"compiled {m['name']} ({m['config']['architecture']}, {m['config']['num_layers']} layers) into "
           f"{args.out} in {m['compile_s']:.1f} s; use it as the MODEL of generate, chat or serve", file=sys.stderr)
     return 0

@@ -73,7 +73,7 @@ class Engine:
                  prefill_chunk: int = 512, runtime: str = "auto", max_waiting: int | None = None,
                  enable_prefix_cache: bool = True, enable_merging: bool = True,
                  speculative: str | None = None, num_speculative_tokens: int = 4,
-                 speculative_max_batch: int = SPEC_MAX_BATCH):
+                 speculative_max_batch: int = SPEC_MAX_BATCH, runtime_hints: dict | None = None):
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
@@ -94,7 +94,8 @@ class Engine:
         self.sampler = Sampler()
         # a speculative step verifies K + 1 rows per sequence
         rows = max_batch * (num_speculative_tokens + 1 if speculative else 1)
-        self.runtime = build_runtime(self.runtime_name, model, self.kv, rows, self.max_model_len)
+        self.runtime = build_runtime(self.runtime_name, model, self.kv, rows, self.max_model_len,
+                                     runtime_hints or {})
         if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
             raise SlipstreamError(f"num_speculative_tokens must be in 1..16, got {num_speculative_tokens!r}")
         try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -378,7 +379,7 @@ class MegakernelDecoder:
     name = "megakernel"
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
-                 tiles: TileConfig | None = None, plans: dict[int, Plan] | None = None,
+                 tiles: TileConfig | None = None, plans: dict[int, Plan | Path] | None = None,
                  num_programs: int | None = None):
         why = supports(model)
         if why:
@@ -398,13 +399,22 @@ class MegakernelDecoder:
         self.num_programs = num_programs
         self._static: dict[int, _Static] = {}
 
+    def _usable(self, plan: Plan) -> bool:
+        """A precompiled plan fits if it was built for this model's layout, this cache's block size
+        and at least this context (a larger context only adds empty attention splits)."""
+        return (plan.weights == self.layout and plan.block_size == self.kv.block_size
+                and plan.max_context >= self.max_context and plan.num_layers == self.model.cfg.num_layers)
+
     def plan_for(self, batch: int) -> Plan:
-        if batch not in self.plans:
+        plan = self.plans.get(batch)
+        if isinstance(plan, (str, Path)):   # from a compiled artifact
+            plan = Plan.load(plan)
+        if plan is None or not self._usable(plan):
             plan = compile_plan(self.model.cfg, batch, self.max_context, self.kv.block_size, self.layout,
                                 self.tiles)
-            validate(plan)
-            self.plans[batch] = plan
-        return self.plans[batch]
+        validate(plan)     # also a loaded plan: a hand-edited file must not hang the GPU
+        self.plans[batch] = plan
+        return plan
 
     def static(self, batch: int) -> _Static:
         B = next((b for b in self.buckets if b >= batch), None)
@@ -412,9 +422,7 @@ class MegakernelDecoder:
             raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
         if B not in self._static:
             plan = self.plan_for(B)
-            if plan.max_context != self.max_context or plan.block_size != self.kv.block_size:
-                raise ValueError("the loaded plan was compiled for another context or block size")
-            A, I, E = new_buffers(plan, self.device)
+            A, I, _ = new_buffers(plan, self.device)
             sync = torch.zeros(plan.num_events + 2, dtype=torch.int32, device=self.device)
             self._static[B] = _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
         return self._static[B]

@@ -69,8 +69,10 @@ def _triton_supports(model: LlamaModel) -> bool:
     return not (c.head_dim & (c.head_dim - 1)) and c.head_dim == 2 * model.inv_freq.numel()
 
 
-def build_runtime(kind: str, model, kv, max_rows: int, max_context: int):
-    """The step executor for `kind` (None = the eager step)."""
+def build_runtime(kind: str, model, kv, max_rows: int, max_context: int, hints: dict | None = None):
+    """The step executor for `kind` (None = the eager step); `hints` are a compiled artifact's kernel
+    configurations and megakernel plans."""
+    hints = hints or {}
     if kind == "eager":
         return None
     if kind == "native":
@@ -79,8 +81,10 @@ def build_runtime(kind: str, model, kv, max_rows: int, max_context: int):
     try:
         if kind == "graph":
             from slipstream.runtime.graph import GraphDecoder
-            return GraphDecoder(model, kv, max_batch=max_rows, max_context=max_context)
+            return GraphDecoder(model, kv, max_batch=max_rows, max_context=max_context,
+                                configs=hints.get("kernel_configs"))
         from slipstream.runtime.megakernel import MegakernelDecoder
-        return MegakernelDecoder(model, kv, max_batch=max_rows, max_context=max_context)
+        return MegakernelDecoder(model, kv, max_batch=max_rows, max_context=max_context,
+                                 plans=hints.get("plans"))
     except ValueError as e:   # a model shape the kernels do not handle
         raise SlipstreamError(f"the {kind} runtime cannot run this model: {e}") from None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class LoadedModel:
     weights: dict[str, Any]
     tokenizer: Any   # slipstream.tokenizer.Tokenizer
     name: str
+    runtime_hints: dict[str, Any] = field(default_factory=dict)   # an artifact's kernel configs and plans
 
 
 def load_model(name: str | os.PathLike | None = None) -> LoadedModel:

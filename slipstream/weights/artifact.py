@@ -7,6 +7,8 @@ every tensor. An artifact stores the result once, in the kernels' layout:
     DIR/slipstream-artifact.json   format version, source, config, per-weight layout, kernel settings
     DIR/weights.safetensors        packed codes, scales and mins, norms, RoPE frequencies (mmapped)
     DIR/tokenizer.json             the tokenizer as `tokenizers` serialises it (+ its settings above)
+    DIR/kernel_configs.json        the GPU kernels' launch configurations (tuned with --tune on a GPU)
+    DIR/plans/batch_B.json         the megakernel's validated task plans, one per batch bucket
 
 so start-up is a memory map and a JSON read. Any path that accepts a model accepts DIR.
 """
@@ -50,8 +52,14 @@ def _get_linear(tensors: dict[str, torch.Tensor], name: str, spec: dict[str, Any
     return Linear(spec["n"], spec["k"], tensors[f"{name}.data"], spec["fmt"], get("scale"), get("min"), get("bias"))
 
 
-def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike) -> dict[str, Any]:
-    """Load a model the ordinary way and write its artifact; returns the manifest."""
+PLAN_BATCHES = (1, 2, 4, 8)
+
+
+def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike, *,
+                  plan_context: int | None = None, block_size: int = 16, tune: bool = False) -> dict[str, Any]:
+    """Load a model the ordinary way and write its artifact; returns the manifest. The megakernel's
+    plans are compiled for contexts up to `plan_context` (default: the model's maximum) and the
+    cache's `block_size`; `tune` times the matvec tiles on this machine's GPU."""
     from safetensors.torch import save_file
 
     from slipstream import __version__
@@ -103,9 +111,53 @@ def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike) 
         },
         "compile_s": None,
     }
+    manifest["kernels"].update(_write_kernel_plans(model, out, plan_context, block_size, tune))
     manifest["compile_s"] = round(time.perf_counter() - t0, 3)
     (out / ARTIFACT_FILE).write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: int, tune: bool) -> dict[str, Any]:
+    """kernel_configs.json and the megakernel plans (validated), when the model's shape allows them."""
+    from slipstream.kernels.triton.configs import KernelConfigs, decode_shapes, tune_matvec
+    from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan, supports, validate
+
+    configs = KernelConfigs()
+    if tune:
+        if not torch.cuda.is_available():
+            raise SlipstreamError("--tune measures the kernels on a GPU; this machine has none")
+        configs = tune_matvec(decode_shapes(model.cfg, list(PLAN_BATCHES)))
+    (out / "kernel_configs.json").write_text(configs.to_json())
+    info: dict[str, Any] = {"configs": "kernel_configs.json", "tuned_on": configs.device or None, "plans": {}}
+    why = supports(model)
+    if why:
+        info["plans_skipped"] = why
+        return info
+    context = plan_context or model.cfg.max_position_embeddings
+    layout = WeightLayout.for_config(model.cfg, tied=model.embed is model.lm_head)
+    (out / "plans").mkdir(exist_ok=True)
+    for b in PLAN_BATCHES:
+        plan = compile_plan(model.cfg, b, context, block_size, layout, TileConfig())
+        validate(plan)
+        plan.save(out / "plans" / f"batch_{b}.json")
+        info["plans"][str(b)] = f"plans/batch_{b}.json"
+    info.update(plan_context=context, plan_block_size=block_size)
+    return info
+
+
+def load_runtime_hints(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The compiled kernel configurations and plans, for the GPU runtimes (missing ones are skipped:
+    the runtimes then use defaults and compile plans at start-up)."""
+    from slipstream.kernels.triton.configs import KernelConfigs
+
+    k = manifest.get("kernels", {})
+    hints: dict[str, Any] = {}
+    if k.get("configs") and (path / k["configs"]).exists():
+        hints["kernel_configs"] = KernelConfigs.from_json((path / k["configs"]).read_text())
+    plans = {int(b): path / f for b, f in k.get("plans", {}).items() if (path / f).exists()}
+    if plans:
+        hints["plans"] = plans     # paths: the megakernel reads (and validates) a plan when first used
+    return hints
 
 
 def load_artifact(path: Path):
@@ -146,4 +198,5 @@ def load_artifact(path: Path):
                     eos_token_ids=t["eos_token_ids"], chat_templates=t["chat_templates"],
                     clean_up_tokenization_spaces=t["clean_up_tokenization_spaces"])
     tok._dummy_prefix_for_leading_space = t["dummy_prefix_for_leading_space"]
-    return LoadedModel(path, cfg, weights, tok, manifest.get("name") or path.name)
+    return LoadedModel(path, cfg, weights, tok, manifest.get("name") or path.name,
+                       runtime_hints=load_runtime_hints(path, manifest))

@@ -48,6 +48,25 @@ def test_the_artifact_is_the_same_model(artifact):
     assert manifest["format"] == 1 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
 
 
+def test_the_artifact_carries_validated_plans_and_kernel_configs(artifact):
+    from slipstream.runtime.megakernel import MegakernelDecoder
+    from slipstream.runtime.plan import Plan, validate
+
+    manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
+    k = manifest["kernels"]
+    assert sorted(k["plans"], key=int) == ["1", "2", "4", "8"] and k["plan_context"] == 8192
+    hints = load_model(artifact).runtime_hints
+    assert hints["kernel_configs"].attention["partition"] == 256
+    plan = Plan.load(hints["plans"][4])
+    validate(plan)
+    assert plan.batch == 4 and plan.num_layers == 30 and plan.max_context == 8192
+    # the megakernel runtime takes the compiled plan instead of compiling one at start-up
+    llm = LLM(artifact, kv_cache_tokens=256, runtime="eager")
+    dec = MegakernelDecoder(llm.model, llm.engine.kv, max_batch=4, max_context=256, plans=hints["plans"])
+    assert dec.plan_for(4) == plan
+    assert dec.static(3).plan.max_context == 8192    # a plan for a longer context serves a shorter one
+
+
 def test_it_loads_faster_than_the_gguf(artifact):
     t = time.perf_counter()
     load_model(artifact)
