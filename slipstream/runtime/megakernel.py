@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer   # only called when PROFILE (a GPU)
 
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
@@ -75,7 +76,7 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row0, row_
 
 
 @triton.jit
-def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
+def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, prof_ptr,
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
                 B, num_slots, eps, scale,
                 X_OFF, Q_OFF, PACC_OFF, PM_OFF, PL_OFF, ATTN_OFF, ACT_OFF, LOGITS_OFF,
@@ -85,7 +86,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
                 S_PAD: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-                T_LM: tl.constexpr, BLOCK_V: tl.constexpr):
+                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, PROFILE: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -117,6 +118,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
             sig_ev = tl.load(row + 6)
             w_off = tl.load(row + 7)
             n_off = tl.load(row + 8)
+            if PROFILE:   # the kernel's own timestamps: wait begins, run begins, signal sent
+                tl.store(prof_ptr + i.to(tl.int64) * 3, globaltimer())
             # -- wait (acquire), bounded ---------------------------------------------------------
             ok = True
             if wait_ev >= 0:
@@ -130,6 +133,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
                     ok = False
                     running = False
             tl.debug_barrier()
+            if PROFILE:
+                tl.store(prof_ptr + i.to(tl.int64) * 3 + 1, globaltimer())
             if ok:
                 w_base = W_ptr + w_off
                 if op == 0:     # EMBED: x[b, t0:t1] = embed[token[b], t0:t1]
@@ -266,6 +271,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins,
                 # -- signal (release) once every thread's writes are done -----------------------
                 tl.debug_barrier()
                 tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
+                if PROFILE:
+                    tl.store(prof_ptr + i.to(tl.int64) * 3 + 2, globaltimer())
 
 
 @dataclass
@@ -316,8 +323,11 @@ def _pow2(n: int) -> int:
 
 
 def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
-           num_programs: int, max_spins: int = 1 << 22, block_k: int = 64) -> None:
-    """One step: one launch of the persistent kernel over `s.plan` (no host synchronisation)."""
+           num_programs: int, max_spins: int = 1 << 22, block_k: int | None = None, num_warps: int = 8,
+           profile: torch.Tensor | None = None) -> None:
+    """One step: one launch of the persistent kernel over `s.plan` (no host synchronisation).
+    With `profile` (int64 [tasks, 3], GPU only) the kernel records per task when its wait began,
+    when its work began and when it signalled (`profile_summary` turns that into a breakdown)."""
     p = s.plan
     if s.epoch >= EPOCH_LIMIT:
         s.sync.zero_()
@@ -326,17 +336,21 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     a, n = p.acts, p.ints
     _megakernel[(num_programs,)](
         s.tasks, p.num_tasks, s.sync, p.num_events, s.epoch, max_spins,
+        profile if profile is not None else s.sync,
         W, s.A, s.I, k, v, inv_freq,
         p.batch, k.shape[1], float(p.rms_norm_eps), 1.0 / math.sqrt(p.head_dim),
         a.x, a.q, a.part_acc, a.part_m, a.part_l, a.attn, a.act, a.logits,
         n.tokens, n.positions, n.write_slots, n.context_lens, n.block_tables, n.next_tokens,
         p.hidden_size, p.intermediate_size, p.vocab_size, p.splits, p.max_blocks,
-        **kernel_constants(p, block_k))
+        **kernel_constants(p, block_k), PROFILE=profile is not None, num_warps=num_warps)
 
 
-def kernel_constants(p: Plan, block_k: int = 64) -> dict[str, int]:
-    """The compile-time constants of the kernel for a plan (one specialisation per model and bucket)."""
+def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
+    """The compile-time constants of the kernel for a plan (one specialisation per model and bucket).
+    block_k: the K-chunk of the matvec tiles; by default wide at batch 1-2 (more bytes in flight
+    per program) and narrower above, where the [batch, tile, K-chunk] product would spill."""
     t = p.tiles
+    block_k = block_k or (128 if p.batch <= 2 else 64)
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
                 S_PAD=max(_pow2(p.splits), 2), P=t.partition, BLOCK_SIZE=p.block_size,
                 BLOCK_B=_pow2(p.batch), BLOCK_K=block_k, BLOCK_T=16,
@@ -344,21 +358,54 @@ def kernel_constants(p: Plan, block_k: int = 64) -> dict[str, int]:
                 T_LM=_pow2(t.lm_head), BLOCK_V=1024)
 
 
-def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16") -> str:
-    """The kernel's PTX for `plan` on CUDA architecture `arch` (90 = Hopper), built by Triton's
-    ahead-of-time compiler without a GPU. Must run without TRITON_INTERPRET (the interpreter
-    replaces the JIT functions)."""
+def profile_summary(plan: Plan, prof: torch.Tensor) -> dict:
+    """Per-opcode time from the kernel's timestamps: tasks, summed busy and waiting microseconds
+    over all programs, and the step's span (first wait to last signal)."""
+    t = prof.cpu().double() / 1e3   # ns -> us
+    ops = plan.tasks[:, 0].cpu()
+    out: dict = {"span_us": float(t[:, 2].max() - t[:, 0].min()), "ops": {}}
+    for op in Op:
+        sel = ops == int(op)
+        if sel.any():
+            busy = (t[sel, 2] - t[sel, 1]).sum().item()
+            wait = (t[sel, 1] - t[sel, 0]).sum().item()
+            out["ops"][op.name] = {"tasks": int(sel.sum()), "busy_us": round(busy, 2), "wait_us": round(wait, 2)}
+    return out
+
+
+def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", profile: bool = False,
+                    num_warps: int = 8):
+    """The kernel for `plan` on CUDA architecture `arch` (90 = Hopper), built by Triton's
+    ahead-of-time compiler without a GPU (its `.asm` holds "ptx" and "cubin"). Must run without
+    TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
     const = kernel_constants(plan)
     w = f"*{weight_dtype}"
-    ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "W_ptr": w, "A_ptr": "*fp32", "I_ptr": "*i64",
+    const["PROFILE"] = profile
+    ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "prof_ptr": "*i64", "W_ptr": w, "A_ptr": "*fp32", "I_ptr": "*i64",
             "k_ptr": w, "v_ptr": w, "inv_freq_ptr": "*fp32"}
     names = _megakernel.arg_names
     sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n in ("eps", "scale") else "i32") for n in names}
     src = ASTSource(_megakernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton_compile(src, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, spill stack and shared memory per thread/program of a compiled kernel, from the
+    `cuobjdump -res-usage` that ships with Triton's CUDA backend."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "k.cubin")
+        Path(f).write_bytes(cubin)
+        text = subprocess.run([str(tool), "-res-usage", f], capture_output=True, text=True, check=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def check(s: _Static) -> None:
@@ -380,7 +427,8 @@ class MegakernelDecoder:
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
                  tiles: TileConfig | None = None, plans: dict[int, Plan | Path] | None = None,
-                 num_programs: int | None = None):
+                 num_programs: int | None = None, programs_per_sm: int = 1, block_k: int | None = None,
+                 num_warps: int = 8):
         why = supports(model)
         if why:
             raise ValueError(why)
@@ -394,9 +442,10 @@ class MegakernelDecoder:
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
         self.plans = dict(plans or {})
         if num_programs is None:
-            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
+            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count * programs_per_sm
                             if self.device.type == "cuda" else 2)
         self.num_programs = num_programs
+        self.block_k, self.num_warps = block_k, num_warps
         self._static: dict[int, _Static] = {}
 
     def _usable(self, plan: Plan) -> bool:
@@ -430,8 +479,9 @@ class MegakernelDecoder:
     def fill(self, s: _Static, step: StepInput) -> None:
         fill_inputs(s.plan, s.I, step, self.kv.block_size)
 
-    def replay(self, s: _Static) -> None:
-        launch(s, self.W, self.kv.k, self.kv.v, self.inv_freq, self.num_programs)
+    def replay(self, s: _Static, profile: torch.Tensor | None = None) -> None:
+        launch(s, self.W, self.kv.k, self.kv.v, self.inv_freq, self.num_programs, block_k=self.block_k,
+               num_warps=self.num_warps, profile=profile)
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> torch.Tensor:

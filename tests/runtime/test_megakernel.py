@@ -106,24 +106,29 @@ def test_unsupported_models_are_refused():
         MegakernelDecoder(model, model.new_kv_cache(8, BLOCK), max_batch=1, max_context=16)
 
 
-@pytest.mark.parametrize("shape,batch", [("dense-1B", 1), ("dense-8B", 8)])
-def test_megakernel_compiles_for_hopper(shape, batch):
+@pytest.mark.parametrize("shape,batch,profile", [("dense-1B", 1, True), ("dense-8B", 8, False)])
+def test_megakernel_compiles_for_hopper(shape, batch, profile):
     """Triton's ahead-of-time compiler, targeting sm_90, on the benchmark shapes (no GPU needed).
     In a subprocess: this process runs Triton's interpreter, which replaces the JIT functions."""
     code = f"""
 import sys
 from slipstream.models.random_init import shape_config
-from slipstream.runtime.megakernel import compile_offline
+from slipstream.runtime.megakernel import compile_offline, resource_usage
 from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan
 cfg = shape_config({shape!r})
 plan = compile_plan(cfg, {batch}, 512, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings), TileConfig())
 try:
-    ptx = compile_offline(plan)
+    kernel = compile_offline(plan, profile={profile})
+    ptx = kernel.asm["ptx"]
 except RuntimeError as e:
     if "ptxas" in str(e):
         print("SKIP", e)
         sys.exit(0)
     raise
+assert ("globaltimer" in ptx) == {profile}
+use = resource_usage(kernel.asm["cubin"])
+# one program per SM holds every opcode's registers: a large spill stack means slow local memory
+assert use["stack"] <= 256, use
 print("entry" if ".entry _megakernel" in ptx else "no entry")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
