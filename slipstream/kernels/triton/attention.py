@@ -67,22 +67,33 @@ def _paged_decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, acc_ptr, m_
 @triton.jit
 def _paged_decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, ctx_ptr, out_ptr, max_splits,
                                 H: tl.constexpr, D: tl.constexpr, PARTITION: tl.constexpr,
-                                SPLITS_PAD: tl.constexpr):
+                                SPLIT_BLOCK: tl.constexpr):
+    """Merges a (sequence, head)'s partitions SPLIT_BLOCK at a time (two passes: the global max,
+    then the rescaled sums), so a long context never needs all partitions in registers at once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
     n_splits = tl.cdiv(ctx, PARTITION)
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_s = tl.arange(0, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)
-    s_mask = offs_s < n_splits
     base = (b * H + h) * max_splits
-    m = tl.load(m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
-    l = tl.load(l_ptr + base + offs_s, mask=s_mask, other=0.0)
-    m_all = tl.max(m, axis=0)
-    w = tl.where(s_mask, tl.exp(m - m_all), 0.0)
-    acc = tl.load(acc_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None],
-                  other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    m_run = tl.full((SPLIT_BLOCK,), float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s_mask = s0 + offs_s < n_splits
+        m_run = tl.maximum(m_run, tl.load(m_ptr + base + s0 + offs_s, mask=s_mask, other=float("-inf")))
+    m_all = tl.max(m_run, axis=0)
+    num = tl.zeros((D,), tl.float32)
+    den = tl.zeros((SPLIT_BLOCK,), tl.float32)
+    for s0 in range(0, n_splits, SPLIT_BLOCK):
+        s_mask = s0 + offs_s < n_splits
+        m = tl.load(m_ptr + base + s0 + offs_s, mask=s_mask, other=float("-inf"))
+        l = tl.load(l_ptr + base + s0 + offs_s, mask=s_mask, other=0.0)
+        w = tl.where(s_mask, tl.exp(m - m_all), 0.0)
+        acc = tl.load(acc_ptr + (base + s0 + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None],
+                      other=0.0)
+        num += tl.sum(acc * w[:, None], axis=0)
+        den += l * w
+    o = num / tl.sum(den, axis=0)
     tl.store(out_ptr + (b * H + h) * D + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
@@ -116,7 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         PARTITION=partition)
     _paged_decode_reduce_kernel[(B, H)](
         acc, m, l, context_lens, o, max_splits, H=H, D=D, PARTITION=partition,
-        SPLITS_PAD=max(triton.next_power_of_2(max_splits), 2))
+        SPLIT_BLOCK=min(max(triton.next_power_of_2(max_splits), 2), 16))
     return o
 
 

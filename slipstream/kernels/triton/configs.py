@@ -30,7 +30,10 @@ def _sms() -> int:
 
 def default_matvec(n: int, k: int) -> dict[str, int]:
     """A heuristic tile: enough programs to cover every SM about twice, split-K when N alone
-    cannot, each K-split at least 512 wide."""
+    cannot, each K-split at least 512 wide. Without a GPU (Triton's interpreter, where every program
+    costs Python time) few large tiles."""
+    if not torch.cuda.is_available():
+        return {"block_n": 128, "block_k": 64, "split_k": 1, "num_warps": 4}
     block_n, block_k = 16, 128
     tiles = -(-n // block_n)
     split = 1
