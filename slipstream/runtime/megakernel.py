@@ -12,7 +12,9 @@ separates operators.
 Counters are epoch-numbered instead of reset: at step e a wait is satisfied at count * e, and the
 ticket counter of step e starts at (e - 1) * (tasks + programs) (every program draws exactly one
 ticket past the end). A wait that does not complete within `max_spins` polls sets the error word
-(1 + the task's index) and the kernel drains instead of hanging; the host raises `MegakernelError`.
+(1 + the task's index, unless an earlier failure set it), every other waiting program gives up as
+soon as it sees the word, and the kernel drains instead of hanging; the host raises `MegakernelError`.
+A task costs three atomics when nothing fails: its ticket, one satisfied poll, its signal.
 
 Opcode bodies follow `vm.py` (the torch executor and reference) exactly; see `plan.py` for the
 task table and the buffers.
@@ -104,8 +106,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
     running = True
     while running:
         i = tl.atomic_add(queue_ptr, 1) - ticket_base
-        failed = tl.atomic_add(error_ptr, 0) != 0
-        if (i >= num_tasks) | failed:
+        if i >= num_tasks:
             running = False
         else:
             row = tasks_ptr + i.to(tl.int64) * 10
@@ -120,16 +121,18 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
             n_off = tl.load(row + 8)
             if PROFILE:   # the kernel's own timestamps: wait begins, run begins, signal sent
                 tl.store(prof_ptr + i.to(tl.int64) * 3, globaltimer())
-            # -- wait (acquire), bounded ---------------------------------------------------------
+            # -- wait (acquire), bounded; also gives up when another program has failed ---------
             ok = True
             if wait_ev >= 0:
                 seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
                 spins = 0
-                while (seen < target) & (spins < max_spins):
+                err = 0
+                while (seen < target) & (spins < max_spins) & (err == 0):
                     seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
+                    err = tl.atomic_add(error_ptr, 0)
                     spins += 1
                 if seen < target:
-                    tl.atomic_xchg(error_ptr, (i + 1).to(tl.int32))
+                    tl.atomic_cas(error_ptr, 0, (i + 1).to(tl.int32))   # the first failure is the cause
                     ok = False
                     running = False
             tl.debug_barrier()
