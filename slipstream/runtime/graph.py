@@ -133,6 +133,8 @@ class GraphDecoder:
         for li, (L, Wl) in enumerate(zip(m.layers, W.layers)):
             add_rmsnorm(s.x, None, L["attn_norm"], eps, out=s.h)
             self._matvec(s, s.h, Wl["qkv"], s.qkv)
+            if L["qkv"].bias is not None:    # Qwen2's q/k/v biases (in place: capture-safe)
+                s.qkv.add_(L["qkv"].bias)
             rope_kv_append(s.qkv, s.positions, m.inv_freq, s.slots, self.kv.k[li], self.kv.v[li],
                            H, KVH, D, q_out=s.q, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps)
             paged_decode_attention(s.q, self.kv.k[li], self.kv.v[li], s.block_tables, s.context,

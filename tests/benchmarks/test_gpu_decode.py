@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 
-pytest.importorskip("triton")
-pytest.importorskip("transformers")
+# find_spec, not importorskip: importing triton here would fix its mode for the whole session
+if importlib.util.find_spec("triton") is None or importlib.util.find_spec("transformers") is None:
+    pytest.skip("needs triton and transformers", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_decode.py"

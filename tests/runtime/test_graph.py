@@ -75,6 +75,18 @@ def test_graph_body_matches_eager_with_padding_and_split_k():
     assert (128, 64) in s.matvec_ws                       # the fused QKV product used split-K
 
 
+def test_qkv_biases_and_qk_norms_are_applied():
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorm, through the same captured body."""
+    cfg = shape_config("tiny")
+    model = random_llama(cfg, seed=8)
+    g = torch.Generator().manual_seed(0)
+    for L in model.layers:
+        L["qkv"].bias = 0.1 * torch.randn(L["qkv"].n, generator=g)
+        L["q_norm"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+        L["k_norm"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+    _run(model, capture=False, configs=CONFIGS, steps=2)
+
+
 def test_padded_rows_leave_the_cache_alone():
     model = random_llama(shape_config("tiny"), seed=4)
     kv = model.new_kv_cache(16, BLOCK)
