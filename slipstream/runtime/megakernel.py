@@ -35,8 +35,6 @@ from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
                                      fill_inputs, new_buffers, pack_weights, supports, validate)
 
-EPOCH_LIMIT = 1 << 16     # re-zero the counters before the ticket counter can overflow int32
-
 
 class MegakernelError(RuntimeError):
     """A task waited longer than its bound for an event: a broken plan or a lost signal."""
@@ -77,7 +75,7 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row0, row_
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])   # a new value every step: never a reason to recompile
 def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, prof_ptr,
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
                 B, num_slots, eps, scale,
@@ -85,7 +83,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 TOK_OFF, POS_OFF, SLOT_OFF, CTX_OFF, BT_OFF, NEXT_OFF,
                 Hd, F, V, S, MAX_BLOCKS,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                S_PAD: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                S_BLOCK: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
                 T_LM: tl.constexpr, BLOCK_V: tl.constexpr, PROFILE: tl.constexpr):
@@ -106,7 +104,10 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
     running = True
     while running:
         i = tl.atomic_add(queue_ptr, 1) - ticket_base
-        if i >= num_tasks:
+        if i < 0:   # the counter is behind its epoch (a failed step not yet cleared): stop, flag it
+            tl.atomic_cas(error_ptr, 0, -1)
+            running = False
+        elif i >= num_tasks:
             running = False
         else:
             row = tasks_ptr + i.to(tl.int64) * 10
@@ -117,8 +118,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
             wait_ev = tl.load(row + 4)
             target = tl.load(row + 5) * epoch
             sig_ev = tl.load(row + 6)
-            w_off = tl.load(row + 7)
-            n_off = tl.load(row + 8)
+            w_off = tl.multiple_of(tl.load(row + 7), 16)   # WeightLayout aligns every weight
+            n_off = tl.multiple_of(tl.load(row + 8), 16)
             if PROFILE:   # the kernel's own timestamps: wait begins, run begins, signal sent
                 tl.store(prof_ptr + i.to(tl.int64) * 3, globaltimer())
             # -- wait (acquire), bounded; also gives up when another program has failed ---------
@@ -207,25 +208,33 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                         tl.store(A_ptr + PM_OFF + part, m, mask=g_mask)
                         tl.store(A_ptr + PL_OFF + part, l, mask=g_mask)
                         tl.store(A_ptr + PACC_OFF + part[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
-                elif op == 3:   # ATTN_REDUCE: merge the splits of kv head t0's query heads
-                    heads = t0 * G + offs_g
-                    offs_s = tl.arange(0, S_PAD)
+                elif op == 3:   # ATTN_REDUCE: merge the splits of kv head t0's query heads,
+                    heads = t0 * G + offs_g   # S_BLOCK at a time (two passes: max, then sums)
+                    offs_s = tl.arange(0, S_BLOCK)
                     for b in range(0, B):
                         ctx = tl.load(I_ptr + CTX_OFF + b)
-                        s_mask = offs_s < (ctx + P - 1) // P
-                        gs = g_mask[:, None] & s_mask[None, :]
-                        part = (b * H + heads)[:, None] * S + offs_s[None, :]
-                        m = tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"), cache_modifier=".cg")
-                        l = tl.load(A_ptr + PL_OFF + part, mask=gs, other=0.0, cache_modifier=".cg")
-                        m_all = tl.max(m, axis=1)
-                        m_all = tl.where(g_mask, m_all, 0.0)
-                        w = tl.where(gs, tl.exp(m - m_all[:, None]), 0.0)
-                        acc = tl.load(A_ptr + PACC_OFF + part[:, :, None] * D + offs_d[None, None, :],
-                                      mask=gs[:, :, None], other=0.0, cache_modifier=".cg")
-                        den = tl.sum(l * w, axis=1)
-                        den = tl.where(g_mask, den, 1.0)
-                        o = tl.sum(acc * w[:, :, None], axis=1) / den[:, None]
-                        tl.store(A_ptr + ATTN_OFF + (b * H + heads)[:, None] * D + offs_d[None, :], o,
+                        n_sp = (ctx + P - 1) // P
+                        m_run = tl.full((G_PAD, S_BLOCK), float("-inf"), tl.float32)
+                        for s0 in range(0, n_sp, S_BLOCK):
+                            gs = g_mask[:, None] & (s0 + offs_s < n_sp)[None, :]
+                            part = (b * H + heads)[:, None] * S + s0 + offs_s[None, :]
+                            m_run = tl.maximum(m_run, tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"),
+                                                              cache_modifier=".cg"))
+                        m_all = tl.where(g_mask, tl.max(m_run, axis=1), 0.0)
+                        num = tl.zeros((G_PAD, D), tl.float32)
+                        den = tl.zeros((G_PAD, S_BLOCK), tl.float32)
+                        for s0 in range(0, n_sp, S_BLOCK):
+                            gs = g_mask[:, None] & (s0 + offs_s < n_sp)[None, :]
+                            part = (b * H + heads)[:, None] * S + s0 + offs_s[None, :]
+                            m = tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"), cache_modifier=".cg")
+                            l = tl.load(A_ptr + PL_OFF + part, mask=gs, other=0.0, cache_modifier=".cg")
+                            w = tl.where(gs, tl.exp(m - m_all[:, None]), 0.0)
+                            acc = tl.load(A_ptr + PACC_OFF + part[:, :, None] * D + offs_d[None, None, :],
+                                          mask=gs[:, :, None], other=0.0, cache_modifier=".cg")
+                            num += tl.sum(acc * w[:, :, None], axis=1)
+                            den += l * w
+                        d = tl.where(g_mask, tl.sum(den, axis=1), 1.0)
+                        tl.store(A_ptr + ATTN_OFF + (b * H + heads)[:, None] * D + offs_d[None, :], num / d[:, None],
                                  mask=g_mask[:, None])
                 elif op == 4:   # O_PROJ: x[:, t0:t1] += attn @ Wo[t0:t1]^T
                     acc = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t1, H * D,
@@ -332,20 +341,31 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     With `profile` (int64 [tasks, 3], GPU only) the kernel records per task when its wait began,
     when its work began and when it signalled (`profile_summary` turns that into a breakdown)."""
     p = s.plan
-    if s.epoch >= EPOCH_LIMIT:
+    if s.epoch >= epoch_limit(p, num_programs):
         s.sync.zero_()
         s.epoch = 0
-    s.epoch += 1
+    epoch = s.epoch + 1
+    ptrs = dict(tasks_ptr=s.tasks, sync_ptr=s.sync, prof_ptr=profile if profile is not None else s.sync,
+                W_ptr=W, A_ptr=s.A, I_ptr=s.I, k_ptr=k, v_ptr=v, inv_freq_ptr=inv_freq)
+    _megakernel[(num_programs,)](**ptrs, **scalar_args(p, k.shape[1], epoch, max_spins),
+                                 **kernel_constants(p, block_k), PROFILE=profile is not None, num_warps=num_warps)
+    s.epoch = epoch   # only once launched: a launch that raised must not advance the ticket base
+
+
+def epoch_limit(p: Plan, num_programs: int) -> int:
+    """Steps before the counters are re-zeroed, so that (tasks + programs) * epoch stays in int32."""
+    return max(1, (2**31 - 1) // (p.num_tasks + num_programs) - 1)
+
+
+def scalar_args(p: Plan, num_slots: int, epoch: int = 1, max_spins: int = 1 << 22) -> dict[str, int | float]:
+    """The kernel's runtime scalars for a plan: counts, buffer offsets, dimensions."""
     a, n = p.acts, p.ints
-    _megakernel[(num_programs,)](
-        s.tasks, p.num_tasks, s.sync, p.num_events, s.epoch, max_spins,
-        profile if profile is not None else s.sync,
-        W, s.A, s.I, k, v, inv_freq,
-        p.batch, k.shape[1], float(p.rms_norm_eps), 1.0 / math.sqrt(p.head_dim),
-        a.x, a.q, a.part_acc, a.part_m, a.part_l, a.attn, a.act, a.logits,
-        n.tokens, n.positions, n.write_slots, n.context_lens, n.block_tables, n.next_tokens,
-        p.hidden_size, p.intermediate_size, p.vocab_size, p.splits, p.max_blocks,
-        **kernel_constants(p, block_k), PROFILE=profile is not None, num_warps=num_warps)
+    return dict(num_tasks=p.num_tasks, num_events=p.num_events, epoch=epoch, max_spins=max_spins,
+                B=p.batch, num_slots=num_slots, eps=float(p.rms_norm_eps), scale=1.0 / math.sqrt(p.head_dim),
+                X_OFF=a.x, Q_OFF=a.q, PACC_OFF=a.part_acc, PM_OFF=a.part_m, PL_OFF=a.part_l, ATTN_OFF=a.attn,
+                ACT_OFF=a.act, LOGITS_OFF=a.logits, TOK_OFF=n.tokens, POS_OFF=n.positions, SLOT_OFF=n.write_slots,
+                CTX_OFF=n.context_lens, BT_OFF=n.block_tables, NEXT_OFF=n.next_tokens,
+                Hd=p.hidden_size, F=p.intermediate_size, V=p.vocab_size, S=p.splits, MAX_BLOCKS=p.max_blocks)
 
 
 def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
@@ -355,7 +375,7 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
     t = p.tiles
     block_k = block_k or (128 if p.batch <= 2 else 64)
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
-                S_PAD=max(_pow2(p.splits), 2), P=t.partition, BLOCK_SIZE=p.block_size,
+                S_BLOCK=min(max(_pow2(p.splits), 2), 16), P=t.partition, BLOCK_SIZE=p.block_size,
                 BLOCK_B=_pow2(p.batch), BLOCK_K=block_k, BLOCK_T=16,
                 T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
                 T_LM=_pow2(t.lm_head), BLOCK_V=1024)
@@ -384,14 +404,31 @@ def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", prof
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
-    const = kernel_constants(plan)
+    const = {**kernel_constants(plan), "PROFILE": profile}
     w = f"*{weight_dtype}"
-    const["PROFILE"] = profile
-    ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "prof_ptr": "*i64", "W_ptr": w, "A_ptr": "*fp32", "I_ptr": "*i64",
-            "k_ptr": w, "v_ptr": w, "inv_freq_ptr": "*fp32"}
+    ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "prof_ptr": "*i64" if profile else "*i32", "W_ptr": w,
+            "A_ptr": "*fp32", "I_ptr": "*i64", "k_ptr": w, "v_ptr": w, "inv_freq_ptr": "*fp32"}
+    # specialise the scalars as the JIT would at launch: 1 becomes a constant, multiples of 16 are
+    # known divisible (what lets the compiler vectorise loads); the epoch is never specialised
+    scalars = scalar_args(plan, num_slots=16 * 4096)
     names = _megakernel.arg_names
-    sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n in ("eps", "scale") else "i32") for n in names}
-    src = ASTSource(_megakernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in const:
+            sig[n] = "constexpr"
+        elif n in ptrs:
+            sig[n] = ptrs[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(scalars[n], float):
+            sig[n] = "fp32"
+        elif scalars[n] == 1 and n != "epoch":
+            sig[n] = "constexpr"
+            const[n] = 1
+        else:
+            sig[n] = "i32"
+            if scalars[n] % 16 == 0 and n != "epoch":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(_megakernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
@@ -414,6 +451,11 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 def check(s: _Static) -> None:
     """Raises if the last step's kernel timed out on a wait (a host synchronisation)."""
     err = int(s.sync[s.plan.num_events + 1].item())
+    if err < 0:
+        s.sync.zero_()
+        s.epoch = 0
+        raise MegakernelError("the ticket counter was behind its epoch (a failed step was not checked); "
+                              "counters reset")
     if err:
         row = s.tasks[err - 1].tolist()
         s.sync.zero_()

@@ -77,6 +77,7 @@ class TileConfig:
 
 
 # -- flat buffer layouts ----------------------------------------------------------------------------
+WEIGHT_ALIGN = 16   # elements: every weight starts on a 32-byte (bf16) / 64-byte (fp32) boundary
 LAYER_WEIGHTS = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")
 
 
@@ -96,8 +97,8 @@ class WeightLayout:
 
         def take(shape: tuple[int, ...]) -> int:
             nonlocal off
-            start = off
-            off += _numel(shape)
+            start = -(-off // WEIGHT_ALIGN) * WEIGHT_ALIGN   # aligned: the kernel loads 16 bytes at a time
+            off = start + _numel(shape)
             return start
         layers = [{name: take(sizes[name]) for name in LAYER_WEIGHTS} for _ in range(cfg.num_layers)]
         norm = take(sizes["norm"])

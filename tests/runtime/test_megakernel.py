@@ -72,6 +72,23 @@ def test_megakernel_matches_vm_and_eager(prompts):
     assert s.sync[:s.plan.num_events].tolist() == [3 * c for c in s.plan.event_counts]
 
 
+def test_long_contexts_merge_many_splits_in_chunks():
+    """20+ attention splits: ATTN_REDUCE walks them 16 at a time (a long context must not hold
+    every partial in registers)."""
+    model = random_llama(shape_config("tiny"), seed=14)
+    kv_e, kv_m = model.new_kv_cache(32, BLOCK), model.new_kv_cache(32, BLOCK)
+    tiles = TileConfig(embed=64, o=32, gate_up=64, down=32, lm_head=128, partition=2)
+    mk = MegakernelDecoder(model, kv_m, max_batch=1, max_context=64, tiles=tiles, num_programs=2)
+    assert mk.static(1).plan.splits == 32
+    prompt = [(7 * i) % 200 + 1 for i in range(41)]
+    se, sm = SequenceKV(kv_e), SequenceKV(kv_m)
+    tok = _prefill(model, kv_e, se, prompt)
+    _prefill(model, kv_m, sm, prompt)
+    le = model.forward(_decode([se], [tok], [41]), kv_e)
+    lm = mk.forward(_decode([sm], [tok], [41]))
+    assert (lm - le).abs().max().item() < 1e-4
+
+
 def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     model = random_llama(shape_config("tiny"), seed=12)
     kv = model.new_kv_cache(16, BLOCK)
@@ -129,6 +146,8 @@ assert ("globaltimer" in ptx) == {profile}
 use = resource_usage(kernel.asm["cubin"])
 # one program per SM holds every opcode's registers: a large spill stack means slow local memory
 assert use["stack"] <= 256, use
+# aligned weight offsets (WeightLayout) + multiple_of hints: 16-byte vector loads of the weights
+assert ptx.count("ld.global.v4") >= 8, ptx.count("ld.global.v4")
 print("entry" if ".entry _megakernel" in ptx else "no entry")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
