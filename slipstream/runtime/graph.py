@@ -20,20 +20,18 @@ import torch
 from slipstream.kernels.triton.configs import KernelConfigs
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
 from slipstream.runtime.triton_step import TritonDecoder
 
-
-def buckets_up_to(max_batch: int) -> list[int]:
-    out = [1]
-    while out[-1] < max_batch:
-        out.append(out[-1] * 2)
-    return out
+MAX_ROWS = 16   # the largest batch bucket: [rows, tile, K-chunk] products past it spill registers
 
 
 @dataclass
 class _Static:
     """Every tensor a captured step reads or writes: allocated once per bucket, never reallocated."""
     batch: int
+    max_context: int            # the context bucket: sets the attention grid
+    max_blocks: int
     tokens: torch.Tensor        # int64 [B]
     positions: torch.Tensor     # int64 [B]
     slots: torch.Tensor         # int64 [B], -1 on padded rows
@@ -53,9 +51,9 @@ class _Static:
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
-class GraphDecoder:
+class GraphDecoder(BucketedDecoder):
     """Decode steps of a Llama-family model as one replayed CUDA graph each (or, uncaptured, as a
-    fixed sequence of Triton launches over static buffers)."""
+    fixed sequence of Triton launches over static buffers), per (batch, context) bucket."""
 
     name = "graph"
 
@@ -69,30 +67,31 @@ class GraphDecoder:
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA-graph capture needs the model and KV cache on a CUDA device")
         self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
-        self.max_blocks = -(-self.max_context // kv.block_size)
-        self.buckets = buckets_up_to(max_batch)
+        self.buckets = batch_buckets(min(max_batch, MAX_ROWS))
+        self.max_rows = self.buckets[-1]
+        self.context_buckets = context_buckets(self.max_context)
         self.configs = configs or KernelConfigs()
-        self._static: dict[int, _Static] = {}
+        self._static: dict[tuple[int, int], _Static] = {}
 
     # -- buffers and the captured body ---------------------------------------------------------
-    def _alloc(self, B: int) -> _Static:
+    def _alloc(self, B: int, C: int) -> _Static:
         c = self.model.cfg
         dev = self.device
         f32 = dict(dtype=torch.float32, device=dev)
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         part = self.configs.attention["partition"]
-        splits = -(-self.max_context // part)
+        splits = -(-C // part)
         ws = {}
         for n, k in self._matvec_shapes():
             sk = self.configs.matvec_for(B, n, k)["split_k"]
             if sk > 1:
                 ws[(n, k)] = torch.empty((sk, B, n), **f32)
         s = _Static(
-            batch=B,
+            batch=B, max_context=C, max_blocks=-(-C // self.kv.block_size),
             tokens=torch.zeros(B, dtype=torch.int64, device=dev),
             positions=torch.zeros(B, dtype=torch.int64, device=dev),
             slots=torch.full((B,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(B, -(-C // self.kv.block_size), dtype=torch.int32, device=dev),
             context=torch.ones(B, dtype=torch.int32, device=dev),
             x=torch.empty(B, c.hidden_size, **f32), h=torch.empty(B, c.hidden_size, **f32),
             qkv=torch.empty(B, (H + 2 * KVH) * D, **f32), q=torch.empty(B, H, D, **f32),
@@ -138,7 +137,7 @@ class GraphDecoder:
             rope_kv_append(s.qkv, s.positions, m.inv_freq, s.slots, self.kv.k[li], self.kv.v[li],
                            H, KVH, D, q_out=s.q, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps)
             paged_decode_attention(s.q, self.kv.k[li], self.kv.v[li], s.block_tables, s.context,
-                                   self.max_context, block_size=self.kv.block_size,
+                                   s.max_context, block_size=self.kv.block_size,
                                    partition=att["partition"], block_n=att["block_n"], out=s.attn,
                                    workspace=s.attn_ws)
             self._matvec(s, s.attn.view(B, H * D), Wl["o"], s.x, accumulate=True)
@@ -162,22 +161,23 @@ class GraphDecoder:
             self._body(s)
         s.graph = graph
 
-    def static(self, batch: int) -> _Static:
-        """The buffers (and, on CUDA, the captured graph) of the smallest bucket holding `batch`."""
-        B = next((b for b in self.buckets if b >= batch), None)
-        if B is None:
-            raise ValueError(f"batch {batch} exceeds the largest captured bucket {self.buckets[-1]}")
-        if B not in self._static:
-            s = self._alloc(B)
+    def static(self, batch: int, context: int | None = None) -> _Static:
+        """The buffers (and, on CUDA, the captured graph) of the smallest buckets holding `batch`
+        sequences of at most `context` tokens (default: the longest context)."""
+        B = bucket_for(self.buckets, batch)
+        C = bucket_for(self.context_buckets, context or self.max_context)
+        if (B, C) not in self._static:
+            s = self._alloc(B, C)
             if self.capture:
                 self._capture(s)
-            self._static[B] = s
-        return self._static[B]
+            self._static[(B, C)] = s
+        return self._static[(B, C)]
 
     def capture_all(self) -> None:
         """Captures every bucket now (start-up), so no request pays for a capture."""
         for b in self.buckets:
-            self.static(b)
+            for c in self.context_buckets:
+                self.static(b, c)
 
     def replay(self, s: _Static) -> None:
         if s.graph is not None:
@@ -185,15 +185,15 @@ class GraphDecoder:
         else:
             self._body(s)
 
-    # -- the engine's interface ----------------------------------------------------------------
+    # -- the engine's interface (forward: `BucketedDecoder`) -----------------------------------
     def fill(self, s: _Static, step: StepInput) -> None:
         """Copies one step's inputs into the bucket's buffers; rows past the batch become padding."""
         n = step.token_ids.shape[0]
         bt, ctx = self.step_kernels._block_tables(step)
-        if int(ctx.max()) > self.max_context:
-            raise ValueError(f"context {int(ctx.max())} exceeds the runtime's maximum {self.max_context}")
-        tables = torch.zeros(s.batch, self.max_blocks, dtype=torch.int32)
-        tables[:n, :bt.shape[1]] = bt
+        if int(ctx.max()) > s.max_context:
+            raise ValueError(f"context {int(ctx.max())} exceeds the bucket's maximum {s.max_context}")
+        tables = torch.zeros(s.batch, s.max_blocks, dtype=torch.int32)
+        tables[:n, :min(bt.shape[1], s.max_blocks)] = bt[:, :s.max_blocks]
         pad = s.batch - n
         tokens = torch.cat([step.token_ids.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
         positions = torch.cat([step.positions.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
@@ -203,12 +203,6 @@ class GraphDecoder:
                          (s.block_tables, tables), (s.context, context)):
             dst.copy_(src, non_blocking=True)
 
-    @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """Logits (float32, on the CPU) of the step's `logits_rows`, one new token per sequence."""
-        if any(q.length != 1 for q in step.seqs):
-            raise ValueError("the graph runtime decodes one token per sequence")
-        s = self.static(step.token_ids.shape[0])
-        self.fill(s, step)
-        self.replay(s)
-        return s.logits.index_select(0, step.logits_rows.to(s.logits.device)).cpu()
+    @staticmethod
+    def logits_of(s: _Static) -> torch.Tensor:
+        return s.logits

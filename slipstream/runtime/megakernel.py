@@ -32,6 +32,7 @@ from triton.language.extra.cuda import globaltimer   # only called when PROFILE 
 
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
 from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
                                      fill_inputs, new_buffers, pack_weights, supports, validate)
 
@@ -465,13 +466,17 @@ def check(s: _Static) -> None:
                               f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
 
 
-class MegakernelDecoder:
-    """Decode steps of a Llama-family model as one persistent-kernel launch each."""
+MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it
+
+
+class MegakernelDecoder(BucketedDecoder):
+    """Decode steps of a Llama-family model as one persistent-kernel launch each, with one
+    validated plan per (batch, context) bucket."""
 
     name = "megakernel"
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
-                 tiles: TileConfig | None = None, plans: dict[int, Plan | Path] | None = None,
+                 tiles: TileConfig | None = None, plans: dict[tuple[int, int], Plan | Path] | None = None,
                  num_programs: int | None = None, programs_per_sm: int = 1, block_k: int | None = None,
                  num_warps: int = 8):
         why = supports(model)
@@ -484,42 +489,44 @@ class MegakernelDecoder:
         dtype = kv.k.dtype if self.device.type == "cuda" else torch.float32
         self.W, self.layout = pack_weights(model, dtype=dtype, device=self.device)
         self.inv_freq = model.inv_freq.to(device=self.device, dtype=torch.float32).contiguous()
-        self.buckets = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch] + [max_batch]
-        self.plans = dict(plans or {})
+        self.buckets = batch_buckets(min(max_batch, MAX_ROWS))
+        self.max_rows = self.buckets[-1]
+        self.context_buckets = context_buckets(self.max_context)
+        self.plans: dict[tuple[int, int], Plan | Path] = dict(plans or {})
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count * programs_per_sm
                             if self.device.type == "cuda" else 2)
         self.num_programs = num_programs
         self.block_k, self.num_warps = block_k, num_warps
-        self._static: dict[int, _Static] = {}
+        self._static: dict[tuple[int, int], _Static] = {}
 
-    def _usable(self, plan: Plan) -> bool:
+    def _usable(self, plan: Plan, context: int) -> bool:
         """A precompiled plan fits if it was built for this model's layout, this cache's block size
-        and at least this context (a larger context only adds empty attention splits)."""
+        and exactly this context bucket (more would run empty attention splits)."""
         return (plan.weights == self.layout and plan.block_size == self.kv.block_size
-                and plan.max_context >= self.max_context and plan.num_layers == self.model.cfg.num_layers)
+                and plan.max_context == context and plan.num_layers == self.model.cfg.num_layers
+                and plan.tiles == self.tiles)
 
-    def plan_for(self, batch: int) -> Plan:
-        plan = self.plans.get(batch)
+    def plan_for(self, batch: int, context: int) -> Plan:
+        """The plan of one (batch, context) bucket: the artifact's when it fits, else compiled now."""
+        plan = self.plans.get((batch, context))
         if isinstance(plan, (str, Path)):   # from a compiled artifact
             plan = Plan.load(plan)
-        if plan is None or not self._usable(plan):
-            plan = compile_plan(self.model.cfg, batch, self.max_context, self.kv.block_size, self.layout,
-                                self.tiles)
+        if plan is None or not self._usable(plan, context):
+            plan = compile_plan(self.model.cfg, batch, context, self.kv.block_size, self.layout, self.tiles)
         validate(plan)     # also a loaded plan: a hand-edited file must not hang the GPU
-        self.plans[batch] = plan
+        self.plans[(batch, context)] = plan
         return plan
 
-    def static(self, batch: int) -> _Static:
-        B = next((b for b in self.buckets if b >= batch), None)
-        if B is None:
-            raise ValueError(f"batch {batch} exceeds the largest bucket {self.buckets[-1]}")
-        if B not in self._static:
-            plan = self.plan_for(B)
+    def static(self, batch: int, context: int | None = None) -> _Static:
+        B = bucket_for(self.buckets, batch)
+        C = bucket_for(self.context_buckets, context or self.max_context)
+        if (B, C) not in self._static:
+            plan = self.plan_for(B, C)
             A, I, _ = new_buffers(plan, self.device)
             sync = torch.zeros(plan.num_events + 2, dtype=torch.int32, device=self.device)
-            self._static[B] = _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
-        return self._static[B]
+            self._static[(B, C)] = _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
+        return self._static[(B, C)]
 
     def fill(self, s: _Static, step: StepInput) -> None:
         fill_inputs(s.plan, s.I, step, self.kv.block_size)
@@ -528,15 +535,12 @@ class MegakernelDecoder:
         launch(s, self.W, self.kv.k, self.kv.v, self.inv_freq, self.num_programs, block_k=self.block_k,
                num_warps=self.num_warps, profile=profile)
 
-    @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        if any(q.length != 1 for q in step.seqs):
-            raise ValueError("the megakernel decodes one token per sequence")
-        s = self.static(step.token_ids.shape[0])
-        self.fill(s, step)
-        self.replay(s)
+    def _check(self, s: _Static) -> None:
         check(s)
-        return s.logits.index_select(0, step.logits_rows.to(self.device)).cpu()
+
+    @staticmethod
+    def logits_of(s: _Static) -> torch.Tensor:
+        return s.logits
 
 
 __all__ = ["MegakernelDecoder", "MegakernelError", "launch", "check", "NUM_COLS", "WeightLayout"]

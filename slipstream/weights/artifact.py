@@ -8,7 +8,7 @@ every tensor. An artifact stores the result once, in the kernels' layout:
     DIR/weights.safetensors        packed codes, scales and mins, norms, RoPE frequencies (mmapped)
     DIR/tokenizer.json             the tokenizer as `tokenizers` serialises it (+ its settings above)
     DIR/kernel_configs.json        the GPU kernels' launch configurations (tuned with --tune on a GPU)
-    DIR/plans/batch_B.json         the megakernel's validated task plans, one per batch bucket
+    DIR/plans/batch_B_context_C.json  the megakernel's validated task plans, one per (batch, context) bucket
 
 so start-up is a memory map and a JSON read. Any path that accepts a model accepts DIR.
 """
@@ -120,6 +120,7 @@ def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike, 
 def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: int, tune: bool) -> dict[str, Any]:
     """kernel_configs.json and the megakernel plans (validated), when the model's shape allows them."""
     from slipstream.kernels.triton.configs import KernelConfigs, decode_shapes, tune_matvec
+    from slipstream.runtime.buckets import context_buckets
     from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan, supports, validate
 
     configs = KernelConfigs()
@@ -137,10 +138,11 @@ def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: 
     layout = WeightLayout.for_config(model.cfg, tied=model.embed is model.lm_head)
     (out / "plans").mkdir(exist_ok=True)
     for b in PLAN_BATCHES:
-        plan = compile_plan(model.cfg, b, context, block_size, layout, TileConfig())
-        validate(plan)
-        plan.save(out / "plans" / f"batch_{b}.json")
-        info["plans"][str(b)] = f"plans/batch_{b}.json"
+        for c in context_buckets(context):
+            plan = compile_plan(model.cfg, b, c, block_size, layout, TileConfig())
+            validate(plan)
+            plan.save(out / "plans" / f"batch_{b}_context_{c}.json")
+            info["plans"][f"{b},{c}"] = f"plans/batch_{b}_context_{c}.json"
     info.update(plan_context=context, plan_block_size=block_size)
     return info
 
@@ -154,7 +156,8 @@ def load_runtime_hints(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     hints: dict[str, Any] = {}
     if k.get("configs") and (path / k["configs"]).exists():
         hints["kernel_configs"] = KernelConfigs.from_json((path / k["configs"]).read_text())
-    plans = {int(b): path / f for b, f in k.get("plans", {}).items() if (path / f).exists()}
+    plans = {tuple(int(x) for x in key.split(",")): path / f for key, f in k.get("plans", {}).items()
+             if (path / f).exists()}
     if plans:
         hints["plans"] = plans     # paths: the megakernel reads (and validates) a plan when first used
     return hints

@@ -54,17 +54,20 @@ def test_the_artifact_carries_validated_plans_and_kernel_configs(artifact):
 
     manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
     k = manifest["kernels"]
-    assert sorted(k["plans"], key=int) == ["1", "2", "4", "8"] and k["plan_context"] == 8192
+    assert k["plan_context"] == 8192
+    assert sorted(k["plans"]) == sorted(f"{b},{c}" for b in (1, 2, 4, 8) for c in (512, 2048, 8192))
     hints = load_model(artifact).runtime_hints
     assert hints["kernel_configs"].attention["partition"] == 256
-    plan = Plan.load(hints["plans"][4])
+    plan = Plan.load(hints["plans"][(4, 2048)])
     validate(plan)
-    assert plan.batch == 4 and plan.num_layers == 30 and plan.max_context == 8192
-    # the megakernel runtime takes the compiled plan instead of compiling one at start-up
-    llm = LLM(artifact, kv_cache_tokens=256, runtime="eager")
-    dec = MegakernelDecoder(llm.model, llm.engine.kv, max_batch=4, max_context=256, plans=hints["plans"])
-    assert dec.plan_for(4) == plan
-    assert dec.static(3).plan.max_context == 8192    # a plan for a longer context serves a shorter one
+    assert plan.batch == 4 and plan.num_layers == 30 and plan.max_context == 2048 and plan.splits == 8
+    # the megakernel runtime takes the compiled plans instead of compiling them at start-up
+    llm = LLM(artifact, kv_cache_tokens=4096, runtime="eager")
+    dec = MegakernelDecoder(llm.model, llm.engine.kv, max_batch=4, max_context=4096, plans=hints["plans"])
+    assert dec.context_buckets == [512, 2048, 4096]
+    assert dec.static(3, 1500).plan == plan                        # (4, 2048): the artifact's plan
+    assert dec.static(1, 100).plan == Plan.load(hints["plans"][(1, 512)])
+    assert dec.static(1, 3000).plan.max_context == 4096            # no such plan: compiled at start-up
 
 
 def test_it_loads_faster_than_the_gguf(artifact):

@@ -1,0 +1,76 @@
+"""Fixed shapes for the GPU runtimes: batch and context buckets, and the decode step cut to fit.
+
+A captured graph or a compiled plan has a fixed batch (padded rows fill the rest) and a fixed
+maximum context, which sets how many attention splits it runs. One maximum for every step would
+make a short chat pay for 128k-token attention grids (mostly empty programs, but launched and
+merged all the same), so contexts are bucketed too: (batch bucket, context bucket) selects the
+graph or plan. A step with more rows than the largest batch bucket (speculative verification:
+K + 1 rows per sequence) runs as several replays in order; rows are independent, and each row's
+KV is written before any later replay reads it.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from slipstream.models.llama import SeqSlice, StepInput
+
+CONTEXT_BUCKETS = (512, 2048, 8192, 32768, 131072)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to the first power of two >= max_batch."""
+    out = [1]
+    while out[-1] < max_batch:
+        out.append(out[-1] * 2)
+    return out
+
+
+def context_buckets(max_context: int) -> list[int]:
+    """The standard buckets below `max_context`, then `max_context` itself."""
+    return [c for c in CONTEXT_BUCKETS if c < max_context] + [max_context]
+
+
+def bucket_for(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def split_rows(step: StepInput, rows: int) -> Iterator[StepInput]:
+    """The decode step (one token per sequence) in pieces of at most `rows` sequences, in order;
+    each piece asks for the logits of all its rows."""
+    n = step.token_ids.shape[0]
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        seqs = [SeqSlice(s.start - lo, 1, s.context, s.read) for s in step.seqs[lo:hi]]
+        yield StepInput(step.token_ids[lo:hi], step.positions[lo:hi], step.write_slots[lo:hi], seqs,
+                        torch.arange(hi - lo))
+
+
+class BucketedDecoder:
+    """The engine-facing `forward` shared by the graph and megakernel runtimes. Subclasses provide
+    `static(batch, context)` (buffers for the buckets holding them), `fill`, `replay`, `logits_of`
+    and `max_rows`."""
+
+    max_rows: int
+
+    def _check(self, s) -> None:
+        """Called after each replay (the megakernel raises on a timed-out wait here)."""
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput) -> torch.Tensor:
+        """Logits (float32, on the CPU) of the step's `logits_rows`, one new token per sequence."""
+        if any(q.length != 1 for q in step.seqs) or len(step.seqs) != step.token_ids.shape[0]:
+            raise ValueError(f"the {self.name} runtime decodes one token per sequence")
+        parts = []
+        for piece in split_rows(step, self.max_rows):
+            s = self.static(piece.token_ids.shape[0], max(q.context for q in piece.seqs))
+            self.fill(s, piece)
+            self.replay(s)
+            self._check(s)
+            parts.append(self.logits_of(s)[:piece.token_ids.shape[0]])
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return logits.index_select(0, step.logits_rows.to(logits.device)).float().cpu()
