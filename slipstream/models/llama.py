@@ -138,7 +138,11 @@ class LlamaModel:
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
             k, v = layer_k.index_select(0, s.read), layer_v.index_select(0, s.read)
-        k, v = k.to(q.dtype), v.to(q.dtype)
+        out_dtype = q.dtype
+        if q.is_cuda:   # attention in the cache's dtype: bf16 reaches the fused SDPA kernels
+            q = q.to(k.dtype)
+        else:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         mask = None
         causal = False
@@ -151,7 +155,7 @@ class LlamaModel:
                 mask = j <= (s.context - s.length + i)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
                                              enable_gqa=kh.shape[0] != qh.shape[0])
-        return out.transpose(0, 1)
+        return out.transpose(0, 1).to(out_dtype)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv: PagedKVCache) -> torch.Tensor:
