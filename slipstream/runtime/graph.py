@@ -173,11 +173,13 @@ class GraphDecoder(BucketedDecoder):
             self._static[(B, C)] = s
         return self._static[(B, C)]
 
-    def capture_all(self) -> None:
-        """Captures every bucket now (start-up), so no request pays for a capture."""
+    def capture_all(self, up_to_context: int | None = None) -> None:
+        """Captures the buckets now (start-up) so that requests do not pay for captures; those of
+        longer contexts than `up_to_context` stay lazy (rarer, and their buffers are larger)."""
         for b in self.buckets:
             for c in self.context_buckets:
-                self.static(b, c)
+                if up_to_context is None or c <= up_to_context or c == self.context_buckets[0]:
+                    self.static(b, c)
 
     def replay(self, s: _Static) -> None:
         if s.graph is not None:

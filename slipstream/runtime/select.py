@@ -81,8 +81,11 @@ def build_runtime(kind: str, model, kv, max_rows: int, max_context: int, hints: 
     try:
         if kind == "graph":
             from slipstream.runtime.graph import GraphDecoder
-            return GraphDecoder(model, kv, max_batch=max_rows, max_context=max_context,
-                                configs=hints.get("kernel_configs"))
+            dec = GraphDecoder(model, kv, max_batch=max_rows, max_context=max_context,
+                               configs=hints.get("kernel_configs"))
+            if dec.capture:   # the common short-context buckets at start-up, not on a first request
+                dec.capture_all(up_to_context=2048)
+            return dec
         from slipstream.runtime.megakernel import MegakernelDecoder
         return MegakernelDecoder(model, kv, max_batch=max_rows, max_context=max_context,
                                  plans=hints.get("plans"))
