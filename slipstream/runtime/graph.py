@@ -38,12 +38,10 @@ class _Static:
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     context: torch.Tensor       # int32 [B]
     x: torch.Tensor             # float32 [B, hidden]: the residual stream
-    h: torch.Tensor
     qkv: torch.Tensor
     q: torch.Tensor             # [B, H, D]
     attn: torch.Tensor          # [B, H, D]
-    gate_up: torch.Tensor
-    act: torch.Tensor
+    act: torch.Tensor           # SwiGLU output [B, intermediate]
     logits: torch.Tensor        # float32 [B, vocab]
     next_tokens: torch.Tensor   # int64 [B]: greedy choice, on the device
     attn_ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -93,10 +91,9 @@ class GraphDecoder(BucketedDecoder):
             slots=torch.full((B,), -1, dtype=torch.int64, device=dev),
             block_tables=torch.zeros(B, -(-C // self.kv.block_size), dtype=torch.int32, device=dev),
             context=torch.ones(B, dtype=torch.int32, device=dev),
-            x=torch.empty(B, c.hidden_size, **f32), h=torch.empty(B, c.hidden_size, **f32),
+            x=torch.empty(B, c.hidden_size, **f32),
             qkv=torch.empty(B, (H + 2 * KVH) * D, **f32), q=torch.empty(B, H, D, **f32),
-            attn=torch.empty(B, H, D, **f32), gate_up=torch.empty(B, 2 * c.intermediate_size, **f32),
-            act=torch.empty(B, c.intermediate_size, **f32), logits=torch.empty(B, c.vocab_size, **f32),
+            attn=torch.empty(B, H, D, **f32), act=torch.empty(B, c.intermediate_size, **f32), logits=torch.empty(B, c.vocab_size, **f32),
             next_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
             attn_ws=(torch.empty(B, H, splits, D, **f32), torch.empty(B, H, splits, **f32),
                      torch.empty(B, H, splits, **f32)),
@@ -108,21 +105,23 @@ class GraphDecoder(BucketedDecoder):
         H, KVH, D, Hd, F = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
         return [((H + 2 * KVH) * D, Hd), (Hd, H * D), (2 * F, Hd), (Hd, F), (c.vocab_size, Hd)]
 
-    def _matvec(self, s: _Static, x: torch.Tensor, w: tuple, out: torch.Tensor, accumulate: bool = False) -> None:
+    def _matvec(self, s: _Static, x: torch.Tensor, w: tuple, out: torch.Tensor, accumulate: bool = False,
+                norm: torch.Tensor | None = None, glu: bool = False) -> None:
         from slipstream.kernels.triton.matvec import matvec
 
-        n, k = out.shape[1], x.shape[1]
+        n, k = w[0].shape[0], x.shape[1]    # the weight's rows (gate and up together for SwiGLU)
         p = self.configs.matvec_for(s.batch, n, k)
         matvec(x, *w, out=out, accumulate=accumulate, block_n=p["block_n"], block_k=p["block_k"],
-               split_k=p["split_k"], num_warps=p["num_warps"], workspace=s.matvec_ws.get((n, k)))
+               split_k=p["split_k"], num_warps=p["num_warps"], workspace=s.matvec_ws.get((n, k)),
+               norm_weight=norm, eps=self.model.cfg.rms_norm_eps, glu=glu)
 
     def _body(self, s: _Static) -> None:
-        """One decode step on the static buffers: only kernel launches, no host synchronisation."""
+        """One decode step on the static buffers: only kernel launches, no host synchronisation.
+        Six per layer: norm + QKV product, RoPE + KV append, attention (splits, merge), output
+        product + residual, norm + gate/up product + SwiGLU, down product + residual."""
         from slipstream.kernels.triton.attention import paged_decode_attention
-        from slipstream.kernels.triton.norm import add_rmsnorm
         from slipstream.kernels.triton.rope import rope_kv_append
         from slipstream.kernels.triton.sample import greedy
-        from slipstream.kernels.triton.swiglu import swiglu
 
         m, c, W = self.model, self.model.cfg, self.step_kernels
         H, KVH, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
@@ -130,8 +129,7 @@ class GraphDecoder(BucketedDecoder):
         att = self.configs.attention
         s.x.copy_(m.embed.dequantize(s.tokens))
         for li, (L, Wl) in enumerate(zip(m.layers, W.layers)):
-            add_rmsnorm(s.x, None, L["attn_norm"], eps, out=s.h)
-            self._matvec(s, s.h, Wl["qkv"], s.qkv)
+            self._matvec(s, s.x, Wl["qkv"], s.qkv, norm=L["attn_norm"])
             if L["qkv"].bias is not None:    # Qwen2's q/k/v biases (in place: capture-safe)
                 s.qkv.add_(L["qkv"].bias)
             rope_kv_append(s.qkv, s.positions, m.inv_freq, s.slots, self.kv.k[li], self.kv.v[li],
@@ -141,12 +139,9 @@ class GraphDecoder(BucketedDecoder):
                                    partition=att["partition"], block_n=att["block_n"], out=s.attn,
                                    workspace=s.attn_ws)
             self._matvec(s, s.attn.view(B, H * D), Wl["o"], s.x, accumulate=True)
-            add_rmsnorm(s.x, None, L["ffn_norm"], eps, out=s.h)
-            self._matvec(s, s.h, Wl["gate_up"], s.gate_up)
-            swiglu(s.gate_up, out=s.act)
+            self._matvec(s, s.x, Wl["gate_up"], s.act, norm=L["ffn_norm"], glu=True)
             self._matvec(s, s.act, Wl["down"], s.x, accumulate=True)
-        add_rmsnorm(s.x, None, m.norm, eps, out=s.h)
-        self._matvec(s, s.h, W.lm_head, s.logits)
+        self._matvec(s, s.x, W.lm_head, s.logits, norm=m.norm)
         greedy(s.logits, out=s.next_tokens)
 
     def _capture(self, s: _Static) -> None:

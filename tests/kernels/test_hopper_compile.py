@@ -154,7 +154,8 @@ def _default_tile(n, k):
     return default_matvec(n, k)
 
 
-def _matvec(M, N, K, fmt, accumulate=False, tile=None):
+def _matvec(M, N, K, fmt, accumulate=False, tile=None, fused=False):
+    """fused: the graph runtime's RMSNorm prologue, and SwiGLU when N is a gate/up weight (even)."""
     def launch():
         p = tile or _default_tile(N, K)
         if fmt == "bf16":
@@ -166,6 +167,11 @@ def _matvec(M, N, K, fmt, accumulate=False, tile=None):
         else:   # int4: uint8 nibbles, per-32 scales and mins
             w = (_t(N, K // 2, dtype="uint8"), _t(N, K // 32), _t(N, K // 32))
         ws = _t(p["split_k"], M, N) if p["split_k"] > 1 else None
+        if fused:
+            glu = not accumulate
+            _k("matvec").matvec(_t(M, K), *w, out=_t(M, N // 2 if glu else N), accumulate=accumulate,
+                                workspace=ws, norm_weight=_t(K), eps=1e-5, glu=glu, **p)
+            return
         _k("matvec").matvec(_t(M, K), *w, out=_t(M, N), accumulate=accumulate, workspace=ws, **p)
     return launch
 
@@ -190,6 +196,15 @@ _MATVECS = [   # name, M, N, K, fmt, accumulate, tile (None: the default heurist
 ]
 for _n, _M, _N, _K, _fmt, _acc, _tile in _MATVECS:
     _case(f"matvec-{_n}", "matvec._matvec_kernel", _matvec(_M, _N, _K, _fmt, _acc, _tile))
+# the graph runtime's fused launches: norm + gate/up + SwiGLU (also through split-K), norm + QKV
+for _n, _M, _N, _K, _fmt in [("bf16-1B-gate_up-b1", 1, 2 * _d1["F"], _d1["hidden"], "bf16"),
+                             ("bf16-8B-gate_up-b8", 8, 2 * _d8["F"], _d8["hidden"], "bf16"),
+                             ("int4-8B-gate_up-b1", 1, 2 * _d8["F"], _d8["hidden"], "int4")]:
+    _case(f"matvec-fused-norm-swiglu-{_n}", "matvec._matvec_kernel", _matvec(_M, _N, _K, _fmt, fused=True))
+    if _default_tile(_N, _K)["split_k"] > 1:
+        _case(f"splitk_reduce-fused-swiglu-{_n}", "matvec._splitk_reduce_kernel",
+              _matvec(_M, _N, _K, _fmt, fused=True))
+_case("matvec-fused-norm-bf16-1B-qkv-b1-acc", "matvec._matvec_kernel", _matvec(1, *_QKV1, "bf16", True, fused=True))
 for _n, _M, _N, _K, _fmt, _acc, _tile in _MATVECS:
     if (_tile or _default_tile(_N, _K))["split_k"] > 1:
         _case(f"splitk_reduce-{_n}", "matvec._splitk_reduce_kernel", _matvec(_M, _N, _K, _fmt, _acc, _tile))
@@ -321,7 +336,8 @@ def _install(target) -> list[str]:
     for mod_name in KERNEL_MODULES:
         mod = _k(mod_name)
         for attr, obj in list(vars(mod).items()):
-            if isinstance(obj, JITFunction):
+            # launched kernels only: helpers they call (`_load_w`, `_mv_tile`) must stay JIT functions
+            if isinstance(obj, JITFunction) and attr.endswith("_kernel"):
                 key = f"{mod_name}.{attr}"
                 keys.append(key)
                 setattr(mod, attr, _recorder(key, obj, backend, target))

@@ -169,6 +169,37 @@ def test_matvec(fmt, M, split_k):
     torch.testing.assert_close(got2.float(), matvec.matvec_ref(x, w, scale, mn, base, True).float(), **tol)
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8_group", "int4"])
+@pytest.mark.parametrize("M,split_k", [(1, 1), (3, 3)])
+def test_matvec_fused_norm_and_swiglu(fmt, M, split_k):
+    """The RMSNorm prologue and the SwiGLU epilogue (also through split-K's reduce) against
+    rms_norm -> product -> silu(gate) * up in torch."""
+    g = gen(11)
+    F, K = 24, 192                                  # gate/up rows: 2 x 24, F not a multiple of BLOCK_N
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    x = rand(M, K, g=g, dtype=dtype) * 3
+    nw = (1 + 0.1 * rand(K, g=g)).float()
+    scale = mn = None
+    if fmt in ("fp32", "bf16"):
+        w = rand(2 * F, K, g=g, dtype=dtype)
+    elif fmt.startswith("int8"):
+        w, scale = _q8(2 * F, K, g)
+    else:
+        w, scale, mn = _q4(2 * F, K, g)
+    w, scale, mn = (t.to(DEV) if t is not None else None for t in (w, scale, mn))
+    tol = BF16 if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    kw = dict(block_n=16, block_k=32, split_k=split_k)
+    got = matvec.matvec(x, w, scale, mn, norm_weight=nw, eps=1e-5, glu=True, **kw)
+    assert got.shape == (M, F)
+    torch.testing.assert_close(got.float(), matvec.matvec_ref(x, w, scale, mn, norm_weight=nw, eps=1e-5,
+                                                             glu=True).float(), **tol)
+    # the norm alone (QKV and the LM head), accumulating into an output too
+    base = rand(M, 2 * F, g=g, dtype=dtype)
+    got = matvec.matvec(x, w, scale, mn, out=base.clone(), accumulate=True, norm_weight=nw, eps=1e-5, **kw)
+    torch.testing.assert_close(got.float(), matvec.matvec_ref(x, w, scale, mn, base, True, nw, 1e-5).float(),
+                               **tol)
+
+
 def test_greedy_ties_lowest_index():
     g = gen(8)
     B, V = 4, 1000

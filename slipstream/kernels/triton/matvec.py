@@ -11,6 +11,10 @@ Grid (cdiv(N, BLOCK_N), SPLIT_K): each program computes all M rows for one tile 
 K-range, accumulating in float32. With SPLIT_K > 1 the partials go to a [SPLIT_K, M, N] fp32
 workspace and are summed by a second deterministic kernel (no atomics). `accumulate=True` adds
 the result into `out` (the engine's residual-add convention, `Linear(..., accumulate=True)`).
+Two fusions save the decode step launches: an RMSNorm prologue (`norm_weight`: every program takes
+its rows' statistics over all of K, then normalises each chunk as it loads it) and a SwiGLU
+epilogue (`glu`: the tile also accumulates the matching up-projection rows of the fused gate/up
+weight and stores silu(gate) * up; with split-K the reduce kernel applies it).
 """
 from __future__ import annotations
 
@@ -22,11 +26,33 @@ DENSE, INT8, INT4 = 0, 1, 2
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, part_ptr, M, N, K, stride_x, stride_out,
-                   k_per_split, n_groups,
+def _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT: tl.constexpr, GROUP: tl.constexpr):
+    """A [rows, K-chunk] tile of weights, widened to float32 (dense, int8 or int4 codes)."""
+    if FMT == 0:
+        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0.0).to(tl.float32)
+    elif FMT == 1:
+        q = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0).to(tl.float32)
+        sc = tl.load(s_ptr + rows[:, None] * n_groups + (offs_k // GROUP)[None, :], mask=wm, other=0.0)
+        w = q * sc
+    else:
+        g = offs_k // 32
+        i = offs_k % 32
+        byte = tl.load(w_ptr + rows[:, None] * (K // 2) + (g * 16 + i % 16)[None, :], mask=wm, other=0)
+        shift = ((i >= 16).to(tl.int32) * 4)[None, :]
+        q = ((byte.to(tl.int32) >> shift) & 15).to(tl.float32)
+        goff = rows[:, None] * n_groups + g[None, :]
+        sc = tl.load(s_ptr + goff, mask=wm, other=0.0)
+        mn = tl.load(mn_ptr + goff, mask=wm, other=0.0)
+        w = q * sc + mn
+    return w
+
+
+@triton.jit
+def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, M, N, K, stride_x, stride_out,
+                   k_per_split, n_groups, eps,
                    FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   ACCUMULATE: tl.constexpr):
+                   ACCUMULATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -34,7 +60,16 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, part_ptr, M, N, K, stri
     m_mask = offs_m < M
     n_mask = offs_n < N
     rows = offs_n.to(tl.int64)
+    if NORM:   # RMSNorm prologue: each row's 1/rms over all of K (cheap next to the weights)
+        ss = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                         mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xk * xk, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -42,47 +77,47 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, part_ptr, M, N, K, stri
         k_mask = offs_k < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = x * rstd[:, None] * nw[None, :]
         wm = n_mask[:, None] & k_mask[None, :]
-        if FMT == 0:
-            w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0.0)
-            w = w.to(tl.float32)
-        elif FMT == 1:
-            q = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=wm, other=0).to(tl.float32)
-            sc = tl.load(s_ptr + rows[:, None] * n_groups + (offs_k // GROUP)[None, :], mask=wm,
-                         other=0.0)
-            w = q * sc
-        else:
-            g = offs_k // 32
-            i = offs_k % 32
-            byte = tl.load(w_ptr + rows[:, None] * (K // 2) + (g * 16 + i % 16)[None, :], mask=wm,
-                           other=0)
-            shift = ((i >= 16).to(tl.int32) * 4)[None, :]
-            q = ((byte.to(tl.int32) >> shift) & 15).to(tl.float32)
-            goff = rows[:, None] * n_groups + g[None, :]
-            sc = tl.load(s_ptr + goff, mask=wm, other=0.0)
-            mn = tl.load(mn_ptr + goff, mask=wm, other=0.0)
-            w = q * sc + mn
+        w = _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT, GROUP)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if GLU:   # the up-projection rows N + n of the fused gate/up weight
+            wu = _load_w(w_ptr, s_ptr, mn_ptr, rows + N, offs_k, wm, K, n_groups, FMT, GROUP)
+            acc_up += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
     mn_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
+        if GLU:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         o_ptrs = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
         if ACCUMULATE:
             acc += tl.load(o_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mn_mask)
-    else:
-        tl.store(part_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mn_mask)
+    else:   # partials [SPLIT_K, M, N] (and the up half at [SPLIT_K, M, N:2N] with GLU)
+        width = N * (1 + GLU)
+        base = part_ptr + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
+        tl.store(base, acc, mask=mn_mask)
+        if GLU:
+            tl.store(base + N, acc_up, mask=mn_mask)
 
 
 @triton.jit
 def _splitk_reduce_kernel(part_ptr, out_ptr, M, N, stride_out, SPLIT_K: tl.constexpr,
-                          SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):
+                          SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+                          GLU: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     offs_s = tl.arange(0, SPLIT_PAD)
     mask = offs < N
-    p = tl.load(part_ptr + (offs_s[:, None] * M + row) * N + offs[None, :],
-                mask=(offs_s[:, None] < SPLIT_K) & mask[None, :], other=0.0)
+    width = N * (1 + GLU)
+    pm = (offs_s[:, None] < SPLIT_K) & mask[None, :]
+    p = tl.load(part_ptr + (offs_s[:, None] * M + row) * width + offs[None, :], mask=pm, other=0.0)
     y = tl.sum(p, axis=0)
+    if GLU:   # SwiGLU once the gate and up sums are complete
+        u = tl.sum(tl.load(part_ptr + (offs_s[:, None] * M + row) * width + N + offs[None, :], mask=pm,
+                           other=0.0), axis=0)
+        y = y / (1.0 + tl.exp(-y)) * u
     o_ptrs = out_ptr + row * stride_out + offs
     if ACCUMULATE:
         y += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -101,19 +136,23 @@ def _fmt_of(w: torch.Tensor, scale, mn) -> int:
 def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            mn: torch.Tensor | None = None, out: torch.Tensor | None = None, accumulate: bool = False,
            group: int = 32, block_n: int = 32, block_k: int = 64, split_k: int = 1,
-           workspace: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
-    """y = x @ W^T (+ out if accumulate). x [M, K]; see the module docstring for W's formats."""
+           workspace: torch.Tensor | None = None, num_warps: int = 4,
+           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+    """y = x @ W^T (+ out if accumulate). x [M, K]; see the module docstring for W's formats.
+    Fusions: `norm_weight` applies RMSNorm to x first (y = rmsnorm(x) * norm_weight @ W^T, statistics
+    in float32); `glu` treats W as fused gate/up rows [gate; up] (2N rows) and returns
+    silu(x @ gate^T) * (x @ up^T), [M, N]."""
     assert x.dim() == 2 and x.stride(1) == 1
     M, K = x.shape
     fmt = _fmt_of(w, scale, mn)
-    N = w.shape[0]
-    assert w.is_contiguous()
+    N = w.shape[0] // 2 if glu else w.shape[0]
+    assert w.is_contiguous() and (not glu or w.shape[0] == 2 * N)
     if fmt == INT4:
         assert w.shape[1] * 2 == K and K % 32 == 0
         group, n_groups = 32, K // 32
     elif fmt == INT8:
         assert w.shape[1] == K
-        scale = scale.reshape(N, -1)
+        scale = scale.reshape(w.shape[0], -1)
         n_groups = scale.shape[1]
         group = K if n_groups == 1 else group
         assert n_groups * group == K
@@ -126,22 +165,26 @@ def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     assert out.stride(1) == 1
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
+    width = N * (2 if glu else 1)
     if split_k > 1:
         part = workspace if workspace is not None else torch.empty(
-            (split_k, M, N), dtype=torch.float32, device=x.device)
+            (split_k, M, width), dtype=torch.float32, device=x.device)
+        assert part.numel() >= split_k * M * width
     else:
         part = out
     dummy = x
     _matvec_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, w, scale if scale is not None else dummy, mn if mn is not None else dummy, out, part,
-        M, N, K, x.stride(0), out.stride(0), k_per_split, n_groups,
+        x, w, scale if scale is not None else dummy, mn if mn is not None else dummy,
+        norm_weight if norm_weight is not None else dummy, out, part,
+        M, N, K, x.stride(0), out.stride(0), k_per_split, n_groups, float(eps),
         FMT=fmt, GROUP=group, BLOCK_M=max(triton.next_power_of_2(M), 1), BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate, num_warps=num_warps)
+        BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate, NORM=norm_weight is not None, GLU=glu,
+        num_warps=num_warps)
     if split_k > 1:
         blk = min(1024, triton.next_power_of_2(N))
         _splitk_reduce_kernel[(M, triton.cdiv(N, blk))](
             part, out, M, N, out.stride(0), SPLIT_K=split_k,
-            SPLIT_PAD=max(triton.next_power_of_2(split_k), 2), BLOCK=blk, ACCUMULATE=accumulate)
+            SPLIT_PAD=max(triton.next_power_of_2(split_k), 2), BLOCK=blk, ACCUMULATE=accumulate, GLU=glu)
     return out
 
 
@@ -165,8 +208,15 @@ def dequantize_ref(w: torch.Tensor, scale: torch.Tensor | None = None, mn: torch
 
 def matvec_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                mn: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               accumulate: bool = False) -> torch.Tensor:
-    y = x.float() @ dequantize_ref(w, scale, mn).T
+               accumulate: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+               glu: bool = False) -> torch.Tensor:
+    xf = x.float()
+    if norm_weight is not None:
+        xf = torch.nn.functional.rms_norm(xf, (xf.shape[-1],), norm_weight.float(), eps)
+    y = xf @ dequantize_ref(w, scale, mn).T
+    if glu:
+        n = y.shape[1] // 2
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
     if accumulate:
         y = y + out.float()
     return y.to(x.dtype)
