@@ -21,9 +21,32 @@ from slipstream.kernels.triton.configs import KernelConfigs
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
-from slipstream.runtime.triton_step import TritonDecoder
+from slipstream.weights.quant import Q8_0, Linear
 
 MAX_ROWS = 16   # the largest batch bucket: [rows, tile, K-chunk] products past it spill registers
+
+
+def weight_args(w: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The matvec kernel's view of a weight: dense, int8 + scales, or int4 nibbles + scales and mins
+    (the packed layouts of `weights/quant.py` are the kernels' own)."""
+    if not w.packed:
+        return w.data, None, None
+    if w.fmt == Q8_0:
+        return w.data, w.scale, None
+    return w.data, w.scale, w.min
+
+
+def block_tables(step: StepInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's block ids (from its read slots) and context length, on the host."""
+    tables = []
+    for s in step.seqs:
+        slots = torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read.cpu()
+        tables.append(slots[::block_size] // block_size)
+    width = max(t.numel() for t in tables)
+    bt = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        bt[i, :t.numel()] = t
+    return bt, torch.tensor([s.context for s in step.seqs], dtype=torch.int32)
 
 
 @dataclass
@@ -58,8 +81,14 @@ class GraphDecoder(BucketedDecoder):
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8,
                  max_context: int | None = None, capture: bool | None = None,
                  configs: KernelConfigs | None = None):
+        c = model.cfg
+        if c.head_dim & (c.head_dim - 1):
+            raise ValueError("the Triton decode step needs a power-of-two head_dim")
+        if c.head_dim != 2 * model.inv_freq.numel():
+            raise ValueError("the Triton decode step rotates the whole head (no partial rotary)")
         self.model, self.kv = model, kv
-        self.step_kernels = TritonDecoder(model, kv)     # checks the model is supported
+        self.layers = [{k: weight_args(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in model.layers]
+        self.lm_head = weight_args(model.lm_head)
         self.device = kv.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
@@ -123,12 +152,12 @@ class GraphDecoder(BucketedDecoder):
         from slipstream.kernels.triton.rope import rope_kv_append
         from slipstream.kernels.triton.sample import greedy
 
-        m, c, W = self.model, self.model.cfg, self.step_kernels
+        m, c = self.model, self.model.cfg
         H, KVH, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         B = s.batch
         att = self.configs.attention
         s.x.copy_(m.embed.dequantize(s.tokens))
-        for li, (L, Wl) in enumerate(zip(m.layers, W.layers)):
+        for li, (L, Wl) in enumerate(zip(m.layers, self.layers)):
             self._matvec(s, s.x, Wl["qkv"], s.qkv, norm=L["attn_norm"])
             if L["qkv"].bias is not None:    # Qwen2's q/k/v biases (in place: capture-safe)
                 s.qkv.add_(L["qkv"].bias)
@@ -141,7 +170,7 @@ class GraphDecoder(BucketedDecoder):
             self._matvec(s, s.attn.view(B, H * D), Wl["o"], s.x, accumulate=True)
             self._matvec(s, s.x, Wl["gate_up"], s.act, norm=L["ffn_norm"], glu=True)
             self._matvec(s, s.act, Wl["down"], s.x, accumulate=True)
-        self._matvec(s, s.x, W.lm_head, s.logits, norm=m.norm)
+        self._matvec(s, s.x, self.lm_head, s.logits, norm=m.norm)
         greedy(s.logits, out=s.next_tokens)
 
     def _capture(self, s: _Static) -> None:
@@ -186,7 +215,7 @@ class GraphDecoder(BucketedDecoder):
     def fill(self, s: _Static, step: StepInput) -> None:
         """Copies one step's inputs into the bucket's buffers; rows past the batch become padding."""
         n = step.token_ids.shape[0]
-        bt, ctx = self.step_kernels._block_tables(step)
+        bt, ctx = block_tables(step, self.kv.block_size)
         if int(ctx.max()) > s.max_context:
             raise ValueError(f"context {int(ctx.max())} exceeds the bucket's maximum {s.max_context}")
         tables = torch.zeros(s.batch, s.max_blocks, dtype=torch.int32)

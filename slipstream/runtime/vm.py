@@ -185,7 +185,7 @@ def run_plan(plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: t
 
 class PlanDecoder:
     """Decode steps of a Llama-family model through plans run by the VM: the same interface as
-    `TritonDecoder`. One plan per batch bucket (powers of two up to `max_batch`); a step with fewer
+    `GraphDecoder`. One plan per batch bucket (powers of two up to `max_batch`); a step with fewer
     sequences is padded with rows that write no KV."""
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,

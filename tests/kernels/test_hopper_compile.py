@@ -187,7 +187,7 @@ _MATVECS = [   # name, M, N, K, fmt, accumulate, tile (None: the default heurist
     ("bf16-8B-qkv-b4", 4, *_QKV8, "bf16", False, None),
     ("bf16-8B-down-b8-acc-tune_max", 8, _d8["hidden"], _d8["F"], "bf16", True,      # largest
      dict(block_n=64, block_k=256, split_k=8, num_warps=4)),                       # tune candidate
-    ("bf16-1B-gate_up-b1-eager_tile", 1, 2 * _d1["F"], _d1["hidden"], "bf16", False,   # TritonDecoder
+    ("bf16-1B-gate_up-b1-eager_tile", 1, 2 * _d1["F"], _d1["hidden"], "bf16", False,   # an untuned tile
      dict(block_n=32, block_k=64, split_k=1, num_warps=4)),
     ("int8_g32-8B-gate_up-b8", 8, 2 * _d8["F"], _d8["hidden"], "int8-g32", False, None),
     ("int8_row-1B-o-b1-acc", 1, _d1["hidden"], _d1["H"] * _d1["D"], "int8-row", True, None),
