@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: chat generate test bench-deps bench-cpu clean
+.PHONY: chat generate test bench-deps bench-cpu gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ bench-deps: $(STAMP)
 
 bench-cpu: bench-deps
 	$(BIN)/python benchmarks/cpu_decode.py
+
+# pure-Python wheels the GPU machine lacks (it has torch, triton, transformers, no pytest): name
+# `.gpu-wheels` in the device tool's `carry`; benchmarks/gpu_session.sh installs from it offline
+gpu-wheels: $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --platform any --implementation py --abi none \
+	  --python-version 3.10 -d .gpu-wheels \
+	  pytest pluggy iniconfig packaging exceptiongroup tomli
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -2,11 +2,15 @@
 # Everything a lent GPU is for, in ONE device call (start-up costs minutes; see the device tool's
 # README): the Triton kernel and runtime tests on the real GPU, then benchmarks/gpu_decode.py.
 # Results land in $OUT (the device tool brings that folder back) or benchmarks/results/.
-#   run: bash benchmarks/gpu_session.sh            (from the repository root, on the GPU machine)
+#   here:   make gpu-wheels          (pytest for the GPU machine, which has none)
+#   device: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"])
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ! python -c "import pytest" 2>/dev/null && [ -d .gpu-wheels ]; then   # `make gpu-wheels`, carried
+    python -m pip install -q --no-index --find-links .gpu-wheels pytest 2>&1 | tail -2
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 timeout 150 python -m pytest -q -p no:cacheprovider -x \
     tests/kernels/test_triton_dense.py tests/kernels/test_triton_deepseek.py \
