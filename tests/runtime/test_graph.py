@@ -19,6 +19,11 @@ from slipstream.runtime.buckets import batch_buckets, context_buckets  # noqa: E
 from slipstream.runtime.graph import GraphDecoder  # noqa: E402
 
 BLOCK = 4
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # uncaptured on a GPU too: the same launches
+
+
+def _model(seed: int, **cfg):
+    return random_llama(shape_config("tiny", **cfg), seed=seed, device=DEV)
 # small tiles and partitions so that split-K matvecs and several attention splits actually run
 CONFIGS = KernelConfigs(matvec={}, attention={"partition": 16, "block_n": 8})
 
@@ -48,7 +53,7 @@ def _run(model: LlamaModel, capture: bool, configs: KernelConfigs, steps: int = 
         _prefill(model, kv_g, s, p)
     positions = [len(p) for p in prompts]
     for _ in range(steps):
-        le = model.forward(_decode_step(seqs_e, tokens, positions), kv_e)
+        le = model.forward(_decode_step(seqs_e, tokens, positions), kv_e).cpu()
         lg = graph.forward(_decode_step(seqs_g, tokens, positions))
         assert lg.shape == le.shape and lg.device.type == "cpu"
         assert (le - lg).abs().max().item() < 1e-4 * max(1.0, le.abs().max().item())
@@ -70,7 +75,7 @@ def test_buckets():
 
 
 def test_graph_body_matches_eager_with_padding_and_split_k():
-    model = random_llama(shape_config("tiny"), seed=3)
+    model = _model(3)
     split = KernelConfigs(matvec={"4,128,64": {"block_n": 16, "block_k": 16, "split_k": 2, "num_warps": 4}},
                           attention=CONFIGS.attention)
     graph = _run(model, capture=False, configs=split)
@@ -82,24 +87,24 @@ def test_graph_body_matches_eager_with_padding_and_split_k():
 def test_more_rows_than_the_largest_bucket_run_as_several_replays():
     """Three sequences through buckets of at most two rows (as a speculative step's K + 1 rows
     per sequence would exceed the largest bucket): replayed in order, the same logits."""
-    graph = _run(random_llama(shape_config("tiny"), seed=9), capture=False, configs=CONFIGS, steps=2, max_batch=2)
+    graph = _run(_model(9), capture=False, configs=CONFIGS, steps=2, max_batch=2)
     assert graph.max_rows == 2 and set(graph._static) == {(1, 64), (2, 64)}
 
 
 def test_qkv_biases_and_qk_norms_are_applied():
     """Qwen2's q/k/v biases and Qwen3's per-head q/k RMSNorm, through the same captured body."""
-    cfg = shape_config("tiny")
-    model = random_llama(cfg, seed=8)
+    model = _model(8)
+    D = model.cfg.head_dim
     g = torch.Generator().manual_seed(0)
     for L in model.layers:
-        L["qkv"].bias = 0.1 * torch.randn(L["qkv"].n, generator=g)
-        L["q_norm"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
-        L["k_norm"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+        L["qkv"].bias = (0.1 * torch.randn(L["qkv"].n, generator=g)).to(DEV)
+        L["q_norm"] = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+        L["k_norm"] = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
     _run(model, capture=False, configs=CONFIGS, steps=2)
 
 
 def test_padded_rows_leave_the_cache_alone():
-    model = random_llama(shape_config("tiny"), seed=4)
+    model = _model(4)
     kv = model.new_kv_cache(16, BLOCK)
     kv.k.zero_()
     kv.v.zero_()
@@ -116,7 +121,7 @@ def test_padded_rows_leave_the_cache_alone():
 
 
 def test_rejects_prefill_and_oversize():
-    model = random_llama(shape_config("tiny"), seed=5)
+    model = _model(5)
     kv = model.new_kv_cache(16, BLOCK)
     graph = GraphDecoder(model, kv, max_batch=2, max_context=32, capture=False, configs=CONFIGS)
     seq = SequenceKV(kv)
@@ -131,6 +136,6 @@ def test_rejects_prefill_and_oversize():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_graph_matches_eager_on_gpu():
-    model = random_llama(shape_config("tiny"), seed=6, device="cuda")
+    model = _model(6)
     graph = _run(model, capture=True, configs=KernelConfigs(), steps=6)
     assert all(s.graph is not None for s in graph._static.values())

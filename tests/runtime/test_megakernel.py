@@ -24,6 +24,7 @@ from slipstream.runtime.plan import WAIT_COUNT, Op, TileConfig  # noqa: E402
 from slipstream.runtime.vm import PlanDecoder  # noqa: E402
 
 BLOCK = 4
+DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel's device; eager and the VM stay on the CPU
 # small tiles: several attention splits, several tiles per projection, short last tiles
 TILES = TileConfig(embed=48, o=24, gate_up=48, down=16, lm_head=96, partition=8)
 
@@ -46,15 +47,18 @@ def _decode(seqs, tokens, positions) -> StepInput:
                                      [[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]])
 def test_megakernel_matches_vm_and_eager(prompts):
     model = random_llama(shape_config("tiny"), seed=11)
-    caches = {name: model.new_kv_cache(32, BLOCK) for name in ("eager", "vm", "mk")}
+    mk_model = random_llama(shape_config("tiny"), seed=11, device=DEV)    # the same weights
+    caches = {"eager": model.new_kv_cache(32, BLOCK), "vm": model.new_kv_cache(32, BLOCK),
+              "mk": mk_model.new_kv_cache(32, BLOCK)}
+    models = {"eager": model, "vm": model, "mk": mk_model}
     vm = PlanDecoder(model, caches["vm"], max_batch=4, max_context=64, tiles=TILES)
-    mk = MegakernelDecoder(model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3)
+    mk = MegakernelDecoder(mk_model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3)
     seqs = {name: [SequenceKV(kv) for _ in prompts] for name, kv in caches.items()}
     seqs["mk"][0].reserve(5)    # another block layout: the megakernel's block tables differ
     tokens = [_prefill(model, caches["eager"], s, p) for s, p in zip(seqs["eager"], prompts)]
     for name in ("vm", "mk"):
         for s, p in zip(seqs[name], prompts):
-            _prefill(model, caches[name], s, p)
+            _prefill(models[name], caches[name], s, p)
     positions = [len(p) for p in prompts]
     for _ in range(3):    # crosses KV blocks and attention partitions
         le = model.forward(_decode(seqs["eager"], tokens, positions), caches["eager"])
@@ -64,33 +68,34 @@ def test_megakernel_matches_vm_and_eager(prompts):
         assert (lm - le).abs().max().item() < 1e-4
         assert lm.argmax(-1).tolist() == le.argmax(-1).tolist()
         s = mk.static(len(prompts))
-        assert s.next_tokens[:len(prompts)].tolist() == le.argmax(-1).tolist()   # the in-kernel ARGMAX
+        assert s.next_tokens[:len(prompts)].cpu().tolist() == le.argmax(-1).tolist()   # the in-kernel ARGMAX
         tokens = le.argmax(-1).tolist()
         positions = [p + 1 for p in positions]
     # epoch-numbered counters: after 3 steps every event has received 3 x its per-step count
     s = mk.static(len(prompts))
-    assert s.sync[:s.plan.num_events].tolist() == [3 * c for c in s.plan.event_counts]
+    assert s.sync[:s.plan.num_events].cpu().tolist() == [3 * c for c in s.plan.event_counts]
 
 
 def test_long_contexts_merge_many_splits_in_chunks():
     """20+ attention splits: ATTN_REDUCE walks them 16 at a time (a long context must not hold
     every partial in registers)."""
     model = random_llama(shape_config("tiny"), seed=14)
-    kv_e, kv_m = model.new_kv_cache(32, BLOCK), model.new_kv_cache(32, BLOCK)
+    mk_model = random_llama(shape_config("tiny"), seed=14, device=DEV)
+    kv_e, kv_m = model.new_kv_cache(32, BLOCK), mk_model.new_kv_cache(32, BLOCK)
     tiles = TileConfig(embed=64, o=32, gate_up=64, down=32, lm_head=128, partition=2)
-    mk = MegakernelDecoder(model, kv_m, max_batch=1, max_context=64, tiles=tiles, num_programs=2)
+    mk = MegakernelDecoder(mk_model, kv_m, max_batch=1, max_context=64, tiles=tiles, num_programs=2)
     assert mk.static(1).plan.splits == 32
     prompt = [(7 * i) % 200 + 1 for i in range(41)]
     se, sm = SequenceKV(kv_e), SequenceKV(kv_m)
     tok = _prefill(model, kv_e, se, prompt)
-    _prefill(model, kv_m, sm, prompt)
+    _prefill(mk_model, kv_m, sm, prompt)
     le = model.forward(_decode([se], [tok], [41]), kv_e)
     lm = mk.forward(_decode([sm], [tok], [41]))
     assert (lm - le).abs().max().item() < 1e-4
 
 
 def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
-    model = random_llama(shape_config("tiny"), seed=12)
+    model = random_llama(shape_config("tiny"), seed=12, device=DEV)
     kv = model.new_kv_cache(16, BLOCK)
     mk = MegakernelDecoder(model, kv, max_batch=1, max_context=32, tiles=TILES, num_programs=2)
     seq = SequenceKV(kv)
@@ -101,7 +106,8 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     i = next(j for j, r in enumerate(s.tasks.tolist()) if r[0] == Op.O_PROJ)
     s.tasks[i, WAIT_COUNT] += 1
     t0 = time.perf_counter()
-    launch(s, mk.W, kv.k, kv.v, mk.inv_freq, mk.num_programs, max_spins=50)
+    # a bound far above any legitimate wait on a GPU (µs), small for the interpreter
+    launch(s, mk.W, kv.k, kv.v, mk.inv_freq, mk.num_programs, max_spins=50 if DEV == "cpu" else 200_000)
     with pytest.raises(MegakernelError, match=rf"task {i} \(O_PROJ, layer 0.*timed out.*attn_done"):
         check(s)
     assert time.perf_counter() - t0 < 60
@@ -111,7 +117,7 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     ref_kv = model.new_kv_cache(16, BLOCK)
     ref_seq = SequenceKV(ref_kv)
     _prefill(model, ref_kv, ref_seq, [5, 6, 7])
-    ref = model.forward(_decode([ref_seq], [tok], [3]), ref_kv)
+    ref = model.forward(_decode([ref_seq], [tok], [3]), ref_kv).cpu()
     assert (logits - ref).abs().max().item() < 1e-4
 
 
