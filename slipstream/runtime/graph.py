@@ -1,10 +1,10 @@
 """The whole-step CUDA-graph runtime: the Triton decode step over static buffers, captured once
-per batch-size bucket (1, 2, 4, 8, ...) and replayed every step.
+per (batch, context) bucket (`buckets.py`) and replayed every step.
 
 A captured step runs embedding -> every layer -> final norm -> LM head -> greedy token selection
 with no host synchronisation inside: token ids, positions, write slots, block tables and context
 lengths live in fixed device buffers that are filled before the replay; the attention grid is sized
-by the static maximum context, not by this step's. A batch smaller than its bucket is padded with
+by the bucket's maximum context, not by this step's. A batch smaller than its bucket is padded with
 rows whose write slot is -1 (the RoPE/KV-append kernel stores nothing for them) and whose context is
 one token; rows are independent, so padding never changes a real row's result.
 
@@ -122,7 +122,8 @@ class GraphDecoder(BucketedDecoder):
             context=torch.ones(B, dtype=torch.int32, device=dev),
             x=torch.empty(B, c.hidden_size, **f32),
             qkv=torch.empty(B, (H + 2 * KVH) * D, **f32), q=torch.empty(B, H, D, **f32),
-            attn=torch.empty(B, H, D, **f32), act=torch.empty(B, c.intermediate_size, **f32), logits=torch.empty(B, c.vocab_size, **f32),
+            attn=torch.empty(B, H, D, **f32), act=torch.empty(B, c.intermediate_size, **f32),
+            logits=torch.empty(B, c.vocab_size, **f32),
             next_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
             attn_ws=(torch.empty(B, H, splits, D, **f32), torch.empty(B, H, splits, **f32),
                      torch.empty(B, H, splits, **f32)),
