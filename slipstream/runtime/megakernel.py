@@ -34,7 +34,8 @@ from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
 from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
-                                     fill_inputs, new_buffers, pack_weights, supports, validate)
+                                     fill_inputs, new_buffers, pack_weights, share_weights, supports,
+                                     validate)
 
 
 class MegakernelError(RuntimeError):
@@ -488,6 +489,7 @@ class MegakernelDecoder(BucketedDecoder):
         self.tiles = tiles or TileConfig()
         dtype = kv.k.dtype if self.device.type == "cuda" else torch.float32
         self.W, self.layout = pack_weights(model, dtype=dtype, device=self.device)
+        self.shares_weights = share_weights(model, self.W, self.layout)   # one copy, not two
         self.inv_freq = model.inv_freq.to(device=self.device, dtype=torch.float32).contiguous()
         self.buckets = batch_buckets(min(max_batch, MAX_ROWS))
         self.max_rows = self.buckets[-1]

@@ -404,6 +404,22 @@ def pack_weights(model: LlamaModel, dtype: torch.dtype = torch.float32,
     return W, layout
 
 
+def share_weights(model: LlamaModel, W: torch.Tensor, layout: WeightLayout) -> bool:
+    """Points the model's dense matrices at their copies in `W`, so that the eager step (prefill)
+    and the megakernel read one copy of the weights instead of two (16 GB saved at dense-8B).
+    Packed or differently typed weights are left alone (False)."""
+    mats = [(L[name], offs[name]) for L, offs in zip(model.layers, layout.layers)
+            for name in ("qkv", "o", "gate_up", "down")]
+    mats.append((model.lm_head, layout.lm_head))
+    if not layout.tied:
+        mats.append((model.embed, layout.embed))
+    if any(m.packed or m.data.dtype != W.dtype or m.data.device != W.device for m, _ in mats):
+        return False
+    for m, off in mats:
+        m.data = W[off:off + m.n * m.k].view(m.n, m.k)
+    return True
+
+
 # -- step inputs ------------------------------------------------------------------------------------
 def new_buffers(plan: Plan, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zeroed (A float32, I int64, E int32) buffers for `plan`."""

@@ -122,6 +122,15 @@ class Linear:
             return (w.scale.unsqueeze(-1) * (q - 8)).view(w.n, w.k)
         return (w.scale.unsqueeze(-1) * q + w.min.unsqueeze(-1)).view(w.n, w.k)
 
+    def _widened(self) -> torch.Tensor:
+        """Packed weights on a GPU: dequantized once to bf16 for the eager path (prefill), instead
+        of at every call; the decode kernels read the packed codes."""
+        w = getattr(self, "_dense", None)
+        if w is None:
+            w = self.dequantize().to(torch.bfloat16)
+            self._dense = w
+        return w
+
     def widen(self, lib) -> torch.Tensor:
         """The dense float32 weight, by the native kernel (same values as `dequantize`, faster)."""
         w = torch.empty(self.n, self.k, dtype=torch.float32)
@@ -146,7 +155,7 @@ class Linear:
         """y = x @ W.T (+ bias) for x [rows, K]; with accumulate=True adds into `out` (residual add)."""
         lib = load_library() if self.fmt is not None and self.data.device.type == "cpu" else None
         if lib is None:   # dense weights, or no native kernels (a GPU): torch in the weight's dtype
-            w = self.dequantize()
+            w = self._widened() if self.fmt is not None and self.data.device.type != "cpu" else self.dequantize()
             bias = None if self.bias is None else self.bias.to(w.dtype)
             y = torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
             if out is None:

@@ -53,6 +53,9 @@ def test_megakernel_matches_vm_and_eager(prompts):
     models = {"eager": model, "vm": model, "mk": mk_model}
     vm = PlanDecoder(model, caches["vm"], max_batch=4, max_context=64, tiles=TILES)
     mk = MegakernelDecoder(mk_model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3)
+    # the model's matrices now live in the kernel's flat buffer: one copy of the weights
+    assert mk.shares_weights
+    assert mk_model.layers[1]["down"].data.untyped_storage().data_ptr() == mk.W.untyped_storage().data_ptr()
     seqs = {name: [SequenceKV(kv) for _ in prompts] for name, kv in caches.items()}
     seqs["mk"][0].reserve(5)    # another block layout: the megakernel's block tables differ
     tokens = [_prefill(model, caches["eager"], s, p) for s, p in zip(seqs["eager"], prompts)]
