@@ -250,6 +250,10 @@ class Engine:
             proposal = self._propose(plan.decode)
             if proposal is not None:
                 events += self._decode_speculative(plan.decode, *proposal)
+            elif self._device_greedy(plan.decode):   # the token chosen on the GPU: no logits copied
+                tokens, now = self._decode(plan.decode, tokens_only=True).tolist(), time.perf_counter()
+                for r, t in zip(plan.decode, tokens):
+                    events += self._append(r, t, None, now)
             else:
                 events += self._sample(plan.decode, self._decode(plan.decode))
         if plan.prefill:
@@ -270,7 +274,16 @@ class Engine:
     def _seq_slice(self, r: Request, row: int, n: int, context: int) -> SeqSlice:
         return SeqSlice(row, n, context, r.kv.read_slots(context))
 
-    def _decode(self, batch: list[Request]) -> torch.Tensor:
+    def _device_greedy(self, batch: list[Request]) -> bool:
+        """Plain greedy rows (no penalties, no logprobs) can take the argmax the runtime computed
+        on the device: the same token as the host's argmax (lowest index on ties)."""
+        return (getattr(self.runtime, "device_greedy", False) and not self.needs_hidden
+                and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
+                        for r in batch))
+
+    def _decode(self, batch: list[Request], tokens_only: bool = False) -> torch.Tensor:
+        """One decode step of `batch`: last-position logits, or with `tokens_only` the greedy tokens
+        from a runtime that selects them on the device."""
         tokens, positions, slots, seqs = [], [], [], []
         for i, r in enumerate(batch):
             pos = r.num_tokens - 1   # the last sampled token is not in the cache yet
@@ -280,7 +293,7 @@ class Engine:
             seqs.append(self._seq_slice(r, i, 1, pos + 1))
         step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
                          torch.arange(len(batch)))
-        logits = self._forward(step)
+        logits = self.runtime.forward(step, tokens_only=True) if tokens_only else self._forward(step)
         for i, r in enumerate(batch):
             if self.needs_hidden:
                 self.proposer.observe(r, positions[i], self._hidden[i:i + 1])

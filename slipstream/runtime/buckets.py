@@ -60,17 +60,22 @@ class BucketedDecoder:
     def _check(self, s) -> None:
         """Called after each replay (the megakernel raises on a timed-out wait here)."""
 
+    device_greedy = True   # `forward(..., tokens_only=True)`: the argmax taken on the device
+
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """Logits (float32, on the CPU) of the step's `logits_rows`, one new token per sequence."""
+    def forward(self, step: StepInput, tokens_only: bool = False) -> torch.Tensor:
+        """Logits (float32, on the CPU) of the step's `logits_rows`, one new token per sequence; with
+        `tokens_only` just their greedy tokens (int64, on the CPU), without copying the logits."""
         if any(q.length != 1 for q in step.seqs) or len(step.seqs) != step.token_ids.shape[0]:
             raise ValueError(f"the {self.name} runtime decodes one token per sequence")
         parts = []
         for piece in split_rows(step, self.max_rows):
-            s = self.static(piece.token_ids.shape[0], max(q.context for q in piece.seqs))
+            n = piece.token_ids.shape[0]
+            s = self.static(n, max(q.context for q in piece.seqs))
             self.fill(s, piece)
             self.replay(s)
             self._check(s)
-            parts.append(self.logits_of(s)[:piece.token_ids.shape[0]])
-        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return logits.index_select(0, step.logits_rows.to(logits.device)).float().cpu()
+            parts.append(s.next_tokens[:n].clone() if tokens_only else self.logits_of(s)[:n])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = out.index_select(0, step.logits_rows.to(out.device)).cpu()
+        return out if tokens_only else out.float()

@@ -30,16 +30,22 @@ def tokenizer():
     return LLM(kv_cache_tokens=256).tokenizer
 
 
-def _tokens(runtime: str, tokenizer) -> list[list[int]]:
+def _tokens(runtime: str, tokenizer, logprobs: int | None = None) -> list[list[int]]:
     model = random_llama(shape_config("tiny", vocab_size=512), seed=7)
     e = Engine(model, tokenizer, runtime=runtime, max_batch=4, kv_cache_tokens=512, block_size=4,
                max_model_len=128)
     assert e.runtime_name == runtime
-    reqs = [Request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    reqs = [Request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs))
             for p, n in zip(PROMPTS, MAX_TOKENS)]
+    modes: list[bool] = []
+    if e.runtime is not None:    # record which decode path each step took
+        forward = e.runtime.forward
+        e.runtime.forward = lambda step, tokens_only=False: (modes.append(tokens_only), forward(step, tokens_only))[1]
     for _ in e.run(reqs):
         pass
     assert not e.has_unfinished()
+    if e.runtime is not None:    # greedy rows take the device's argmax unless logprobs need the logits
+        assert modes and all(m == (logprobs is None) for m in modes)
     return [r.output_ids for r in reqs]
 
 
@@ -49,7 +55,8 @@ def test_runtime_greedy_tokens_equal_eager(runtime, tokenizer):
         pytest.importorskip("slipstream.runtime.megakernel")
     want = _tokens("eager", tokenizer)
     assert [len(t) for t in want] == MAX_TOKENS
-    assert _tokens(runtime, tokenizer) == want
+    assert _tokens(runtime, tokenizer) == want                 # greedy chosen on the device
+    assert _tokens(runtime, tokenizer, logprobs=1) == want     # logits copied, sampled on the host
 
 
 def test_gpu_runtimes_refuse_a_cpu_without_the_interpreter(tokenizer, monkeypatch):
