@@ -731,7 +731,7 @@ class Bench:
                 st["decoders"][name] = MegakernelDecoder(
                     st["model"], self.clone_kv(st), max_batch=L.max_batch, max_context=L.per_seq,
                     num_warps=self.a.mk_num_warps, programs_per_sm=self.a.mk_programs_per_sm,
-                    block_k=self.a.mk_block_k)
+                    block_k=self.a.mk_block_k, prefetch=self.a.mk_prefetch)
         return st["decoders"][name]
 
     def _static(self, shape: str, B: int, name: str, rec: dict) -> None:
@@ -754,7 +754,7 @@ class Bench:
         if name == "megakernel":   # a wait that timed out drains the kernel and sets an error word
             from slipstream.runtime.megakernel import check, profile_summary
             check(p.s)
-            rec["programs"], rec["num_warps"] = dec.num_programs, dec.num_warps
+            rec["programs"], rec["num_warps"], rec["prefetch"] = dec.num_programs, dec.num_warps, dec.prefetch
             rec["tasks"] = p.s.plan.num_tasks
             if self.device.type == "cuda":   # one more step with the kernel's own per-task timestamps
                 prof = torch.zeros(p.s.plan.num_tasks, 3, dtype=torch.int64, device=self.device)
@@ -955,6 +955,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--mk-num-warps", type=int, default=8, help="megakernel: warps per program")
     ap.add_argument("--mk-programs-per-sm", type=int, default=1, help="megakernel: persistent programs per SM")
     ap.add_argument("--mk-block-k", type=int, default=None, help="megakernel: K-chunk of its matvec tiles")
+    ap.add_argument("--mk-prefetch", type=int, default=0, choices=[0, 1],
+                    help="megakernel: 1 = a task waiting on its dependency first reads its weights into L2")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds: a torch.compile job starts only if it should end within this")
     ap.add_argument("--deadline", type=float, default=540.0,

@@ -77,6 +77,33 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row0, row_
     return acc
 
 
+@triton.jit
+def _prefetch_weights(w_base, op, t0, t1, Hd, F, error_ptr, HD: tl.constexpr, D: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Reads the weight rows a task will multiply (QKV head, O/gate+up/down/LM-head tile) so they
+    are in L2 when its dependency arrives. The sum feeds a store that only a weight of exactly
+    -3e38 could trigger, so the compiler cannot drop the loads."""
+    ROWS: tl.constexpr = 16
+    is_mat = (op == 1) | ((op >= 4) & (op <= 7))
+    lo = tl.where(op == 1, t0 * D, t0)
+    n = tl.where(is_mat, tl.where(op == 1, D, t1 - t0), 0)
+    K = tl.where(op == 4, HD, tl.where(op == 6, F, Hd))
+    passes = tl.where(op == 5, 2, 1)    # gate rows, then the matching up rows at F + row
+    junk = tl.zeros((ROWS, BLOCK_K), tl.float32)
+    for p in range(0, passes):
+        base = lo + p * F
+        for r0 in range(0, n, ROWS):
+            rows = (base + r0 + tl.arange(0, ROWS)).to(tl.int64)
+            r_mask = r0 + tl.arange(0, ROWS) < n
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                junk += tl.load(w_base + rows[:, None] * K + ks[None, :], mask=r_mask[:, None] & (ks < K)[None, :],
+                                other=0.0).to(tl.float32)
+    total = tl.sum(tl.sum(junk, axis=1), axis=0)
+    hit = (tl.zeros((1,), tl.float32) + total) == -3.0e38
+    tl.store(error_ptr + tl.arange(0, 1), tl.full((1,), -2, tl.int32), mask=hit)
+
+
 @triton.jit(do_not_specialize=["epoch"])   # a new value every step: never a reason to recompile
 def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, prof_ptr,
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
@@ -88,7 +115,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 S_BLOCK: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, PROFILE: tl.constexpr):
+                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, PROFILE: tl.constexpr,
+                PREFETCH: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -128,6 +156,12 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
             ok = True
             if wait_ev >= 0:
                 seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
+                # weights never depend on events: while waiting, stream this task's tile into L2
+                if PREFETCH == 2:     # always (tests: under the interpreter nothing ever waits)
+                    _prefetch_weights(W_ptr + w_off, op, t0, t1, Hd, F, error_ptr, H * D, D, BLOCK_K)
+                elif PREFETCH == 1:
+                    if seen < target:
+                        _prefetch_weights(W_ptr + w_off, op, t0, t1, Hd, F, error_ptr, H * D, D, BLOCK_K)
                 spins = 0
                 err = 0
                 while (seen < target) & (spins < max_spins) & (err == 0):
@@ -338,7 +372,7 @@ def _pow2(n: int) -> int:
 
 def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor,
            num_programs: int, max_spins: int = 1 << 22, block_k: int | None = None, num_warps: int = 8,
-           profile: torch.Tensor | None = None) -> None:
+           profile: torch.Tensor | None = None, prefetch: int = 0) -> None:
     """One step: one launch of the persistent kernel over `s.plan` (no host synchronisation).
     With `profile` (int64 [tasks, 3], GPU only) the kernel records per task when its wait began,
     when its work began and when it signalled (`profile_summary` turns that into a breakdown)."""
@@ -350,7 +384,8 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     ptrs = dict(tasks_ptr=s.tasks, sync_ptr=s.sync, prof_ptr=profile if profile is not None else s.sync,
                 W_ptr=W, A_ptr=s.A, I_ptr=s.I, k_ptr=k, v_ptr=v, inv_freq_ptr=inv_freq)
     _megakernel[(num_programs,)](**ptrs, **scalar_args(p, k.shape[1], epoch, max_spins),
-                                 **kernel_constants(p, block_k), PROFILE=profile is not None, num_warps=num_warps)
+                                 **kernel_constants(p, block_k), PROFILE=profile is not None, PREFETCH=prefetch,
+                                 num_warps=num_warps)
     s.epoch = epoch   # only once launched: a launch that raised must not advance the ticket base
 
 
@@ -399,14 +434,14 @@ def profile_summary(plan: Plan, prof: torch.Tensor) -> dict:
 
 
 def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", profile: bool = False,
-                    num_warps: int = 8):
+                    num_warps: int = 8, prefetch: int = 0):
     """The kernel for `plan` on CUDA architecture `arch` (90 = Hopper), built by Triton's
     ahead-of-time compiler without a GPU (its `.asm` holds "ptx" and "cubin"). Must run without
     TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
 
-    const = {**kernel_constants(plan), "PROFILE": profile}
+    const = {**kernel_constants(plan), "PROFILE": profile, "PREFETCH": prefetch}
     w = f"*{weight_dtype}"
     ptrs = {"tasks_ptr": "*i64", "sync_ptr": "*i32", "prof_ptr": "*i64" if profile else "*i32", "W_ptr": w,
             "A_ptr": "*fp32", "I_ptr": "*i64", "k_ptr": w, "v_ptr": w, "inv_freq_ptr": "*fp32"}
@@ -453,6 +488,10 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 def check(s: _Static) -> None:
     """Raises if the last step's kernel timed out on a wait (a host synchronisation)."""
     err = int(s.sync[s.plan.num_events + 1].item())
+    if err == -2:
+        s.sync.zero_()
+        s.epoch = 0
+        raise MegakernelError("a weight equal to -3e38 tripped the prefetch guard")
     if err < 0:
         s.sync.zero_()
         s.epoch = 0
@@ -479,7 +518,7 @@ class MegakernelDecoder(BucketedDecoder):
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
                  tiles: TileConfig | None = None, plans: dict[tuple[int, int], Plan | Path] | None = None,
                  num_programs: int | None = None, programs_per_sm: int = 1, block_k: int | None = None,
-                 num_warps: int = 8):
+                 num_warps: int = 8, prefetch: int = 0):
         why = supports(model)
         if why:
             raise ValueError(why)
@@ -499,7 +538,7 @@ class MegakernelDecoder(BucketedDecoder):
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count * programs_per_sm
                             if self.device.type == "cuda" else 2)
         self.num_programs = num_programs
-        self.block_k, self.num_warps = block_k, num_warps
+        self.block_k, self.num_warps, self.prefetch = block_k, num_warps, prefetch
         self._static: dict[tuple[int, int], _Static] = {}
 
     def _usable(self, plan: Plan, context: int) -> bool:
@@ -535,7 +574,7 @@ class MegakernelDecoder(BucketedDecoder):
 
     def replay(self, s: _Static, profile: torch.Tensor | None = None) -> None:
         launch(s, self.W, self.kv.k, self.kv.v, self.inv_freq, self.num_programs, block_k=self.block_k,
-               num_warps=self.num_warps, profile=profile)
+               num_warps=self.num_warps, profile=profile, prefetch=self.prefetch)
 
     def _check(self, s: _Static) -> None:
         check(s)

@@ -43,16 +43,20 @@ def _decode(seqs, tokens, positions) -> StepInput:
     return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
 
 
-@pytest.mark.parametrize("prompts", [[[3, 1, 4, 1, 5, 9, 2]],
-                                     [[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]])
-def test_megakernel_matches_vm_and_eager(prompts):
+@pytest.mark.parametrize("prompts,prefetch", [
+    ([[3, 1, 4, 1, 5, 9, 2]], 0),
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 0),
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7]], 2),     # every task first reads its weights (L2 prefetch)
+])
+def test_megakernel_matches_vm_and_eager(prompts, prefetch):
     model = random_llama(shape_config("tiny"), seed=11)
     mk_model = random_llama(shape_config("tiny"), seed=11, device=DEV)    # the same weights
     caches = {"eager": model.new_kv_cache(32, BLOCK), "vm": model.new_kv_cache(32, BLOCK),
               "mk": mk_model.new_kv_cache(32, BLOCK)}
     models = {"eager": model, "vm": model, "mk": mk_model}
     vm = PlanDecoder(model, caches["vm"], max_batch=4, max_context=64, tiles=TILES)
-    mk = MegakernelDecoder(mk_model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3)
+    mk = MegakernelDecoder(mk_model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3,
+                           prefetch=prefetch)
     # the model's matrices now live in the kernel's flat buffer: one copy of the weights
     assert mk.shares_weights
     assert mk_model.layers[1]["down"].data.untyped_storage().data_ptr() == mk.W.untyped_storage().data_ptr()
@@ -134,6 +138,7 @@ def test_unsupported_models_are_refused():
 
 @pytest.mark.parametrize("shape,batch,profile", [("dense-1B", 1, True), ("dense-8B", 8, False)])
 def test_megakernel_compiles_for_hopper(shape, batch, profile):
+    prefetch = int(profile)   # the profiled variant also carries the L2 prefetch
     """Triton's ahead-of-time compiler, targeting sm_90, on the benchmark shapes (no GPU needed).
     In a subprocess: this process runs Triton's interpreter, which replaces the JIT functions."""
     code = f"""
@@ -144,7 +149,7 @@ from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan
 cfg = shape_config({shape!r})
 plan = compile_plan(cfg, {batch}, 512, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings), TileConfig())
 try:
-    kernel = compile_offline(plan, profile={profile})
+    kernel = compile_offline(plan, profile={profile}, prefetch={prefetch})
     ptx = kernel.asm["ptx"]
 except RuntimeError as e:
     if "ptxas" in str(e):
