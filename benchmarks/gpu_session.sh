@@ -4,6 +4,8 @@
 # Results land in $OUT (the device tool brings that folder back) or benchmarks/results/.
 #   here:   make gpu-wheels          (pytest for the GPU machine, which has none)
 #   device: run(command="bash benchmarks/gpu_session.sh", carry=[".gpu-wheels"])
+# A second call, if device time is left: the megakernel's knobs, A/B in one run each, e.g.
+#   python benchmarks/gpu_decode.py --paths eager,graph,megakernel --mk-prefetch 1 --mk-programs-per-sm 2
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
