@@ -91,18 +91,12 @@ class BlockAllocator:
         self._free.sort(reverse=True)
 
 
-class PagedKVCache:
-    """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA)."""
+class _BlockCache:
+    """What every paged cache shares: fixed-size blocks of slots handed out by one allocator."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        # empty, not zeros: pages are only committed when written, and attention never reads a
-        # slot before its token was stored
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
 
     @property
@@ -113,7 +107,20 @@ class PagedKVCache:
         return self.allocator.num_in_use / self.num_blocks
 
 
-class LatentKVCache:
+class PagedKVCache(_BlockCache):
+    """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(num_blocks, block_size)
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # empty, not zeros: pages are only committed when written, and attention never reads a
+        # slot before its token was stored
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+
+
+class LatentKVCache(_BlockCache):
     """The MLA cache (DeepSeek-V3 / GLM-5): per token and layer only the normalised KV latent
     ([num_layers, slots, kv_lora_rank]) and the shared rotary key ([num_layers, slots, rope_dim]);
     with DeepSeek Sparse Attention also the indexer's key ([num_layers, slots, index_dim]).
@@ -121,20 +128,11 @@ class LatentKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
                  rope_dim: int, index_dim: int = 0, dtype: torch.dtype = torch.float32):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks, block_size)
         slots = num_blocks * block_size
         self.latent = torch.empty((num_layers, slots, latent_dim), dtype=dtype)
         self.rope = torch.empty((num_layers, slots, rope_dim), dtype=dtype)
         self.index_k = torch.empty((num_layers, slots, index_dim), dtype=dtype) if index_dim else None
-        self.allocator = BlockAllocator(num_blocks)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    def usage(self) -> float:
-        return self.allocator.num_in_use / self.num_blocks
 
 
 @dataclass
