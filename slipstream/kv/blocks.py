@@ -91,6 +91,13 @@ class BlockAllocator:
         self._free.sort(reverse=True)
 
 
+def block_ids(read: tuple[int, int] | torch.Tensor, block_size: int) -> torch.Tensor:
+    """A sequence's block table from its read slots (`SequenceKV.read_slots`: a slot range or the
+    gathered slot ids), on the host: what the GPU kernels address the cache with."""
+    slots = torch.arange(read[0], read[1]) if isinstance(read, tuple) else read.cpu()
+    return slots[::block_size] // block_size
+
+
 class _BlockCache:
     """What every paged cache shares: fixed-size blocks of slots handed out by one allocator."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.kernels.triton.configs import KernelConfigs
-from slipstream.kv.blocks import PagedKVCache
+from slipstream.kv.blocks import PagedKVCache, block_ids
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
 from slipstream.weights.quant import Q8_0, Linear
@@ -34,19 +34,6 @@ def weight_args(w: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Ten
     if w.fmt == Q8_0:
         return w.data, w.scale, None
     return w.data, w.scale, w.min
-
-
-def block_tables(step: StepInput, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's block ids (from its read slots) and context length, on the host."""
-    tables = []
-    for s in step.seqs:
-        slots = torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read.cpu()
-        tables.append(slots[::block_size] // block_size)
-    width = max(t.numel() for t in tables)
-    bt = torch.zeros(len(tables), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        bt[i, :t.numel()] = t
-    return bt, torch.tensor([s.context for s in step.seqs], dtype=torch.int32)
 
 
 @dataclass
@@ -216,16 +203,18 @@ class GraphDecoder(BucketedDecoder):
     def fill(self, s: _Static, step: StepInput) -> None:
         """Copies one step's inputs into the bucket's buffers; rows past the batch become padding."""
         n = step.token_ids.shape[0]
-        bt, ctx = block_tables(step, self.kv.block_size)
-        if int(ctx.max()) > s.max_context:
-            raise ValueError(f"context {int(ctx.max())} exceeds the bucket's maximum {s.max_context}")
+        ctx = [q.context for q in step.seqs]
+        if max(ctx) > s.max_context:
+            raise ValueError(f"context {max(ctx)} exceeds the bucket's maximum {s.max_context}")
         tables = torch.zeros(s.batch, s.max_blocks, dtype=torch.int32)
-        tables[:n, :min(bt.shape[1], s.max_blocks)] = bt[:, :s.max_blocks]
+        for i, q in enumerate(step.seqs):
+            ids = block_ids(q.read, self.kv.block_size)[:s.max_blocks]
+            tables[i, :ids.numel()] = ids
         pad = s.batch - n
         tokens = torch.cat([step.token_ids.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
         positions = torch.cat([step.positions.long().cpu(), torch.zeros(pad, dtype=torch.int64)])
         slots = torch.cat([step.write_slots.long().cpu(), torch.full((pad,), -1, dtype=torch.int64)])
-        context = torch.cat([ctx, torch.ones(pad, dtype=torch.int32)])
+        context = torch.tensor(ctx + [1] * pad, dtype=torch.int32)
         for dst, src in ((s.tokens, tokens), (s.positions, positions), (s.slots, slots),
                          (s.block_tables, tables), (s.context, context)):
             dst.copy_(src, non_blocking=True)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from slipstream.config import ModelConfig
+from slipstream.kv.blocks import block_ids
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.weights.quant import Linear
 
@@ -452,15 +453,9 @@ def fill_inputs(plan: Plan, I: torch.Tensor, step: StepInput, block_size: int) -
         if s.context > plan.max_context:
             raise ValueError(f"context {s.context} exceeds the plan's max_context {plan.max_context}")
         ctx[s.start] = s.context
-        blocks = _block_ids(s.read, block_size)
+        blocks = block_ids(s.read, block_size)
         tables[s.start, :blocks.numel()] = blocks
     I.copy_(host)
-
-
-def _block_ids(read: tuple[int, int] | torch.Tensor, block_size: int) -> torch.Tensor:
-    """The block table of a sequence from its read slots (a slot range or the gathered slot ids)."""
-    slots = torch.arange(read[0], read[1]) if isinstance(read, tuple) else read.cpu()
-    return slots[::block_size] // block_size
 
 
 # -- the static validator ---------------------------------------------------------------------------
