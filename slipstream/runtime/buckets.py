@@ -51,11 +51,26 @@ def split_rows(step: StepInput, rows: int) -> Iterator[StepInput]:
 
 
 class BucketedDecoder:
-    """The engine-facing `forward` shared by the graph and megakernel runtimes. Subclasses provide
-    `static(batch, context)` (buffers for the buckets holding them), `fill`, `replay`, `logits_of`
-    and `max_rows`."""
+    """What the graph and megakernel runtimes share: the (batch, context) buckets, one set of
+    static buffers per bucket built on first use (`static`), and the engine-facing `forward`.
+    Subclasses provide `_build(batch, context)`, `fill`, `replay` and `logits_of`."""
 
-    max_rows: int
+    name: str
+
+    def _init_buckets(self, model, kv, max_batch: int, max_rows: int, max_context: int | None) -> None:
+        self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
+        self.buckets = batch_buckets(min(max_batch, max_rows))
+        self.max_rows = self.buckets[-1]
+        self.context_buckets = context_buckets(self.max_context)
+        self._static: dict[tuple[int, int], object] = {}
+
+    def static(self, batch: int, context: int | None = None):
+        """The buffers of the smallest buckets holding `batch` sequences of at most `context` tokens
+        (default: the longest context), built on first use."""
+        key = (bucket_for(self.buckets, batch), bucket_for(self.context_buckets, context or self.max_context))
+        if key not in self._static:
+            self._static[key] = self._build(*key)
+        return self._static[key]
 
     def _check(self, s) -> None:
         """Called after each replay (the megakernel raises on a timed-out wait here)."""

@@ -20,7 +20,7 @@ import torch
 from slipstream.kernels.triton.configs import KernelConfigs
 from slipstream.kv.blocks import PagedKVCache, block_ids
 from slipstream.models.llama import LlamaModel, StepInput
-from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
+from slipstream.runtime.buckets import BucketedDecoder
 from slipstream.weights.quant import Q8_0, Linear
 
 MAX_ROWS = 16   # the largest batch bucket: [rows, tile, K-chunk] products past it spill registers
@@ -68,11 +68,9 @@ class GraphDecoder(BucketedDecoder):
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8,
                  max_context: int | None = None, capture: bool | None = None,
                  configs: KernelConfigs | None = None):
-        c = model.cfg
-        if c.head_dim & (c.head_dim - 1):
-            raise ValueError("the Triton decode step needs a power-of-two head_dim")
-        if c.head_dim != 2 * model.inv_freq.numel():
-            raise ValueError("the Triton decode step rotates the whole head (no partial rotary)")
+        why = self.unsupported(model)
+        if why:
+            raise ValueError(why)
         self.model, self.kv = model, kv
         self.layers = [{k: weight_args(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in model.layers]
         self.lm_head = weight_args(model.lm_head)
@@ -80,12 +78,18 @@ class GraphDecoder(BucketedDecoder):
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("CUDA-graph capture needs the model and KV cache on a CUDA device")
-        self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
-        self.buckets = batch_buckets(min(max_batch, MAX_ROWS))
-        self.max_rows = self.buckets[-1]
-        self.context_buckets = context_buckets(self.max_context)
+        self._init_buckets(model, kv, max_batch, MAX_ROWS, max_context)
         self.configs = configs or KernelConfigs()
-        self._static: dict[tuple[int, int], _Static] = {}
+
+    @staticmethod
+    def unsupported(model: LlamaModel) -> str | None:
+        """Why the Triton step cannot run this model (None: it can)."""
+        c = model.cfg
+        if c.head_dim & (c.head_dim - 1):
+            return "the Triton decode step needs a power-of-two head_dim"
+        if c.head_dim != 2 * model.inv_freq.numel():
+            return "the Triton decode step rotates the whole head (no partial rotary)"
+        return None
 
     # -- buffers and the captured body ---------------------------------------------------------
     def _alloc(self, B: int, C: int) -> _Static:
@@ -173,17 +177,12 @@ class GraphDecoder(BucketedDecoder):
             self._body(s)
         s.graph = graph
 
-    def static(self, batch: int, context: int | None = None) -> _Static:
-        """The buffers (and, on CUDA, the captured graph) of the smallest buckets holding `batch`
-        sequences of at most `context` tokens (default: the longest context)."""
-        B = bucket_for(self.buckets, batch)
-        C = bucket_for(self.context_buckets, context or self.max_context)
-        if (B, C) not in self._static:
-            s = self._alloc(B, C)
-            if self.capture:
-                self._capture(s)
-            self._static[(B, C)] = s
-        return self._static[(B, C)]
+    def _build(self, B: int, C: int) -> _Static:
+        """A bucket's buffers and, on CUDA, its captured graph."""
+        s = self._alloc(B, C)
+        if self.capture:
+            self._capture(s)
+        return s
 
     def capture_all(self, up_to_context: int | None = None) -> None:
         """Captures the buckets now (start-up) so that requests do not pay for captures; those of

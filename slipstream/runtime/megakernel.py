@@ -32,7 +32,7 @@ from triton.language.extra.cuda import globaltimer   # only called when PROFILE 
 
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
-from slipstream.runtime.buckets import BucketedDecoder, batch_buckets, bucket_for, context_buckets
+from slipstream.runtime.buckets import BucketedDecoder
 from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
                                      fill_inputs, new_buffers, pack_weights, share_weights, supports,
                                      validate)
@@ -524,22 +524,18 @@ class MegakernelDecoder(BucketedDecoder):
             raise ValueError(why)
         self.model, self.kv = model, kv
         self.device = kv.k.device
-        self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
+        self._init_buckets(model, kv, max_batch, MAX_ROWS, max_context)
         self.tiles = tiles or TileConfig()
         dtype = kv.k.dtype if self.device.type == "cuda" else torch.float32
         self.W, self.layout = pack_weights(model, dtype=dtype, device=self.device)
         self.shares_weights = share_weights(model, self.W, self.layout)   # one copy, not two
         self.inv_freq = model.inv_freq.to(device=self.device, dtype=torch.float32).contiguous()
-        self.buckets = batch_buckets(min(max_batch, MAX_ROWS))
-        self.max_rows = self.buckets[-1]
-        self.context_buckets = context_buckets(self.max_context)
         self.plans: dict[tuple[int, int], Plan | Path] = dict(plans or {})
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count * programs_per_sm
                             if self.device.type == "cuda" else 2)
         self.num_programs = num_programs
         self.block_k, self.num_warps, self.prefetch = block_k, num_warps, prefetch
-        self._static: dict[tuple[int, int], _Static] = {}
 
     def _usable(self, plan: Plan, context: int) -> bool:
         """A precompiled plan fits if it was built for this model's layout, this cache's block size
@@ -559,15 +555,12 @@ class MegakernelDecoder(BucketedDecoder):
         self.plans[(batch, context)] = plan
         return plan
 
-    def static(self, batch: int, context: int | None = None) -> _Static:
-        B = bucket_for(self.buckets, batch)
-        C = bucket_for(self.context_buckets, context or self.max_context)
-        if (B, C) not in self._static:
-            plan = self.plan_for(B, C)
-            A, I, _ = new_buffers(plan, self.device)
-            sync = torch.zeros(plan.num_events + 2, dtype=torch.int32, device=self.device)
-            self._static[(B, C)] = _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
-        return self._static[(B, C)]
+    def _build(self, B: int, C: int) -> _Static:
+        """A bucket's validated plan and its buffers."""
+        plan = self.plan_for(B, C)
+        A, I, _ = new_buffers(plan, self.device)
+        sync = torch.zeros(plan.num_events + 2, dtype=torch.int32, device=self.device)
+        return _Static(plan, A, I, sync, plan.tasks.to(self.device).contiguous())
 
     def fill(self, s: _Static, step: StepInput) -> None:
         fill_inputs(s.plan, s.I, step, self.kv.block_size)

@@ -47,7 +47,7 @@ def resolve_runtime(name: str, model, gpu_dtype: torch.dtype = torch.bfloat16) -
                                   "without q/k/v biases, and the native kernels; use --runtime auto or eager")
         return name
     if name == "auto":
-        if cuda and _triton_ok() and _triton_supports(model):
+        if cuda and _triton_ok() and _graph_runs(model):
             name = "graph"
         elif NativeDecoder.supports(model):
             return "native"
@@ -64,9 +64,9 @@ def resolve_runtime(name: str, model, gpu_dtype: torch.dtype = torch.bfloat16) -
     return name
 
 
-def _triton_supports(model: LlamaModel) -> bool:
-    c = model.cfg
-    return not (c.head_dim & (c.head_dim - 1)) and c.head_dim == 2 * model.inv_freq.numel()
+def _graph_runs(model: LlamaModel) -> bool:
+    from slipstream.runtime.graph import GraphDecoder
+    return GraphDecoder.unsupported(model) is None
 
 
 def build_runtime(kind: str, model, kv, max_rows: int, max_context: int, hints: dict | None = None):
