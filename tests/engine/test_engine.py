@@ -5,7 +5,7 @@ stays in use afterwards."""
 from __future__ import annotations
 
 import pytest
-from support import skip_unless_default_model
+from support import engine
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.engine import Engine
@@ -24,17 +24,6 @@ PROMPTS = [
 SYSTEM = ("You are a meticulous assistant for a team of compiler engineers. Answer precisely, cite the "
           "relevant part of the C standard when it matters, prefer short code examples, and never "
           "invent flags that GCC or Clang do not have. ") * 2
-
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    skip_unless_default_model()
-    return LLM(kv_cache_tokens=4096)
-
-
-def engine(llm: LLM, **kw) -> Engine:
-    kw.setdefault("kv_cache_tokens", 2048)
-    return Engine(llm.model, llm.tokenizer, **kw)
 
 
 def greedy(n: int = 12, **kw) -> SamplingParams:

@@ -3,13 +3,9 @@ continuous batching (requests of different lengths join and leave, batches get p
 On a CPU the Triton runtimes run under Triton's interpreter, on a tiny random model."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from support import skip_unless_default_model  # noqa: E402

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from support import skip_unless_default_model
+from support import engine
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.engine import Engine
@@ -95,16 +95,6 @@ def test_sampling_distribution_is_the_samplers_distribution():
 
 
 # -- lossless on the real model --------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    skip_unless_default_model()
-    return LLM(kv_cache_tokens=4096)
-
-
-def engine(llm: LLM, **kw) -> Engine:
-    kw.setdefault("kv_cache_tokens", 2048)
-    return Engine(llm.model, llm.tokenizer, **kw)
 
 
 def run(e: Engine, prompts: list[str], params: SamplingParams) -> list[Request]:

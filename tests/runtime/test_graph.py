@@ -2,14 +2,12 @@
 CPU (the same launches over the same static buffers that a CUDA graph records), captured on a GPU."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
+
+from support import decode_step, prefill_step  # noqa: E402
 
 from slipstream.kernels.triton.configs import KernelConfigs  # noqa: E402
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
@@ -29,17 +27,7 @@ CONFIGS = KernelConfigs(matvec={}, attention={"partition": 16, "block_n": 8})
 
 
 def _prefill(model: LlamaModel, kv, seq: SequenceKV, prompt: list[int]) -> int:
-    n = len(prompt)
-    seq.reserve(n + 16)
-    step = StepInput(torch.tensor(prompt), torch.arange(n), seq.slots(0, n), [SeqSlice(0, n, n, seq.slots(0, n))],
-                     torch.tensor([n - 1]))
-    return int(model.forward(step, kv).argmax())
-
-
-def _decode_step(seqs: list[SequenceKV], tokens: list[int], positions: list[int]) -> StepInput:
-    slots = torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)])
-    sl = [SeqSlice(i, 1, p + 1, s.slots(0, p + 1)) for i, (s, p) in enumerate(zip(seqs, positions))]
-    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
+    return int(model.forward(prefill_step(seq, prompt), kv).argmax())
 
 
 def _run(model: LlamaModel, capture: bool, configs: KernelConfigs, steps: int = 4, max_batch: int = 4):
@@ -53,8 +41,8 @@ def _run(model: LlamaModel, capture: bool, configs: KernelConfigs, steps: int = 
         _prefill(model, kv_g, s, p)
     positions = [len(p) for p in prompts]
     for _ in range(steps):
-        le = model.forward(_decode_step(seqs_e, tokens, positions), kv_e).cpu()
-        lg = graph.forward(_decode_step(seqs_g, tokens, positions))
+        le = model.forward(decode_step(seqs_e, tokens, positions), kv_e).cpu()
+        lg = graph.forward(decode_step(seqs_g, tokens, positions))
         assert lg.shape == le.shape and lg.device.type == "cpu"
         assert (le - lg).abs().max().item() < 1e-4 * max(1.0, le.abs().max().item())
         assert le.argmax(-1).tolist() == lg.argmax(-1).tolist()
@@ -109,15 +97,17 @@ def test_padded_rows_leave_the_cache_alone():
     kv.k.zero_()
     kv.v.zero_()
     graph = GraphDecoder(model, kv, max_batch=4, max_context=32, capture=False, configs=CONFIGS)
-    seq = SequenceKV(kv)
-    _prefill(model, kv, seq, [5, 6, 7])
+    seqs = [SequenceKV(kv) for _ in range(3)]
+    for seq, prompt in zip(seqs, ([5, 6, 7], [8, 9, 10], [11, 12, 13])):
+        _prefill(model, kv, seq, prompt)
     before_k, before_v = kv.k.clone(), kv.v.clone()
-    graph.forward(_decode_step([seq], [8], [3]))    # bucket 1: no padding
-    graph.forward(_decode_step([seq], [9], [4]))
-    s2 = graph.static(1)
-    assert s2.batch == 1
-    changed = (kv.k != before_k).any(-1).any(-1).any(0).nonzero().flatten().tolist()
-    assert changed == seq.slots(3, 5).tolist()
+    graph.forward(decode_step(seqs, [8, 9, 10], [3, 3, 3]))    # 3 rows in the 4-bucket: one padded
+    graph.forward(decode_step(seqs, [1, 2, 3], [4, 4, 4]))
+    assert graph.static(3).batch == 4 and graph.static(3).slots[3].item() == -1
+    written = sorted(t for seq in seqs for t in seq.slots(3, 5).tolist())
+    for cache, before in ((kv.k, before_k), (kv.v, before_v)):
+        changed = (cache != before).any(-1).any(-1).any(0).nonzero().flatten().tolist()
+        assert changed == written
 
 
 def test_rejects_prefill_and_oversize():

@@ -4,19 +4,15 @@ with the fused norm and SwiGLU, and a dense copy of them."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from support import skip_unless_default_model  # noqa: E402
+from support import decode_step, prefill_step, skip_unless_default_model  # noqa: E402
 
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from slipstream.models.llama import LlamaModel  # noqa: E402
 from slipstream.runtime.graph import GraphDecoder  # noqa: E402
 from slipstream.weights import load_model  # noqa: E402
 from slipstream.weights.quant import Linear  # noqa: E402
@@ -58,20 +54,12 @@ def test_triton_decode_matches_eager(model):
     for p, se, st in zip(prompts, seqs_e, seqs_t):
         outs = []
         for kv, s in ((kv_e, se), (kv_t, st)):
-            n = len(p)
-            s.reserve(n + 4)
-            step = StepInput(torch.tensor(p), torch.arange(n), s.slots(0, n), [SeqSlice(0, n, n, s.slots(0, n))],
-                             torch.tensor([n - 1]))
-            outs.append(model.forward(step, kv))
+            outs.append(model.forward(prefill_step(s, p, extra=4), kv))
         tokens.append(int(outs[0].argmax()))
     positions = [len(p) for p in prompts]
     for _ in range(2):
-        def step_for(seqs):
-            slots = torch.cat([s.slots(q, q + 1) for s, q in zip(seqs, positions)])
-            sl = [SeqSlice(i, 1, q + 1, s.slots(0, q + 1)) for i, (s, q) in enumerate(zip(seqs, positions))]
-            return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
-        le = model.forward(step_for(seqs_e), kv_e)
-        lt = tri.forward(step_for(seqs_t))
+        le = model.forward(decode_step(seqs_e, tokens, positions), kv_e)
+        lt = tri.forward(decode_step(seqs_t, tokens, positions))
         assert (le - lt).abs().max().item() < 2e-3, (le - lt).abs().max().item()
         assert le.argmax(-1).tolist() == lt.argmax(-1).tolist()
         tokens = le.argmax(-1).tolist()

@@ -12,12 +12,11 @@ import time
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+from support import decode_step, prefill_step  # noqa: E402
+
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import SeqSlice, StepInput  # noqa: E402
 from slipstream.models.random_init import random_llama, shape_config  # noqa: E402
 from slipstream.runtime.megakernel import MegakernelDecoder, MegakernelError, check, launch  # noqa: E402
 from slipstream.runtime.plan import WAIT_COUNT, Op, TileConfig  # noqa: E402
@@ -30,17 +29,7 @@ TILES = TileConfig(embed=48, o=24, gate_up=48, down=16, lm_head=96, partition=8)
 
 
 def _prefill(model, kv, seq: SequenceKV, prompt: list[int]) -> int:
-    n = len(prompt)
-    seq.reserve(n + 16)
-    step = StepInput(torch.tensor(prompt), torch.arange(n), seq.slots(0, n), [SeqSlice(0, n, n, seq.slots(0, n))],
-                     torch.tensor([n - 1]))
-    return int(model.forward(step, kv).argmax())
-
-
-def _decode(seqs, tokens, positions) -> StepInput:
-    slots = torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)])
-    sl = [SeqSlice(i, 1, p + 1, s.slots(0, p + 1)) for i, (s, p) in enumerate(zip(seqs, positions))]
-    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
+    return int(model.forward(prefill_step(seq, prompt), kv).argmax())
 
 
 @pytest.mark.parametrize("prompts,prefetch", [
@@ -68,9 +57,9 @@ def test_megakernel_matches_vm_and_eager(prompts, prefetch):
             _prefill(models[name], caches[name], s, p)
     positions = [len(p) for p in prompts]
     for _ in range(3):    # crosses KV blocks and attention partitions
-        le = model.forward(_decode(seqs["eager"], tokens, positions), caches["eager"])
-        lv = vm.forward(_decode(seqs["vm"], tokens, positions))
-        lm = mk.forward(_decode(seqs["mk"], tokens, positions))
+        le = model.forward(decode_step(seqs["eager"], tokens, positions), caches["eager"])
+        lv = vm.forward(decode_step(seqs["vm"], tokens, positions))
+        lm = mk.forward(decode_step(seqs["mk"], tokens, positions))
         assert (lm - lv).abs().max().item() < 1e-5
         assert (lm - le).abs().max().item() < 1e-4
         assert lm.argmax(-1).tolist() == le.argmax(-1).tolist()
@@ -96,8 +85,8 @@ def test_long_contexts_merge_many_splits_in_chunks():
     se, sm = SequenceKV(kv_e), SequenceKV(kv_m)
     tok = _prefill(model, kv_e, se, prompt)
     _prefill(mk_model, kv_m, sm, prompt)
-    le = model.forward(_decode([se], [tok], [41]), kv_e)
-    lm = mk.forward(_decode([sm], [tok], [41]))
+    le = model.forward(decode_step([se], [tok], [41]), kv_e)
+    lm = mk.forward(decode_step([sm], [tok], [41]))
     assert (lm - le).abs().max().item() < 1e-4
 
 
@@ -108,7 +97,7 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     seq = SequenceKV(kv)
     tok = _prefill(model, kv, seq, [5, 6, 7])
     s = mk.static(1)
-    mk.fill(s, _decode([seq], [tok], [3]))
+    mk.fill(s, decode_step([seq], [tok], [3]))
     # the first O_PROJ now waits for one more signal than attention will ever send
     i = next(j for j, r in enumerate(s.tasks.tolist()) if r[0] == Op.O_PROJ)
     s.tasks[i, WAIT_COUNT] += 1
@@ -120,11 +109,11 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     assert time.perf_counter() - t0 < 60
     # the runtime recovers: counters are re-zeroed and a repaired plan runs again
     s.tasks[i, WAIT_COUNT] -= 1
-    logits = mk.forward(_decode([seq], [tok], [3]))
+    logits = mk.forward(decode_step([seq], [tok], [3]))
     ref_kv = model.new_kv_cache(16, BLOCK)
     ref_seq = SequenceKV(ref_kv)
     _prefill(model, ref_kv, ref_seq, [5, 6, 7])
-    ref = model.forward(_decode([ref_seq], [tok], [3]), ref_kv).cpu()
+    ref = model.forward(decode_step([ref_seq], [tok], [3]), ref_kv).cpu()
     assert (logits - ref).abs().max().item() < 1e-4
 
 
