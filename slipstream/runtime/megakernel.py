@@ -333,6 +333,11 @@ class _Static:
     tasks: torch.Tensor
     epoch: int = 0
 
+    def reset(self) -> None:
+        """Zero every counter: the next launch is epoch 1."""
+        self.sync.zero_()
+        self.epoch = 0
+
     def _ints(self, off: int, n: int) -> torch.Tensor:
         return self.I[off:off + n]
 
@@ -378,8 +383,7 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     when its work began and when it signalled (`profile_summary` turns that into a breakdown)."""
     p = s.plan
     if s.epoch >= epoch_limit(p, num_programs):
-        s.sync.zero_()
-        s.epoch = 0
+        s.reset()
     epoch = s.epoch + 1
     ptrs = dict(tasks_ptr=s.tasks, sync_ptr=s.sync, prof_ptr=profile if profile is not None else s.sync,
                 W_ptr=W, A_ptr=s.A, I_ptr=s.I, k_ptr=k, v_ptr=v, inv_freq_ptr=inv_freq)
@@ -488,22 +492,18 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 def check(s: _Static) -> None:
     """Raises if the last step's kernel timed out on a wait (a host synchronisation)."""
     err = int(s.sync[s.plan.num_events + 1].item())
+    if not err:
+        return
+    s.reset()   # the failed step left the counters inconsistent: the next one starts from zero
     if err == -2:
-        s.sync.zero_()
-        s.epoch = 0
         raise MegakernelError("a weight equal to -3e38 tripped the prefetch guard")
     if err < 0:
-        s.sync.zero_()
-        s.epoch = 0
         raise MegakernelError("the ticket counter was behind its epoch (a failed step was not checked); "
                               "counters reset")
-    if err:
-        row = s.tasks[err - 1].tolist()
-        s.sync.zero_()
-        s.epoch = 0
-        raise MegakernelError(f"task {err - 1} ({Op(row[0]).name}, layer {row[1]}, tile {row[2]}..{row[3]}) "
-                              f"timed out waiting for event {row[4]} "
-                              f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
+    row = s.tasks[err - 1].tolist()
+    raise MegakernelError(f"task {err - 1} ({Op(row[0]).name}, layer {row[1]}, tile {row[2]}..{row[3]}) "
+                          f"timed out waiting for event {row[4]} "
+                          f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
 
 
 MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it
