@@ -374,14 +374,9 @@ def agreement(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from slipstream.bench.cli import cpu_name
+
+    cpu = cpu_name()
     versions = {}
     for dist in ("torch", "llama_cpp_python", "transformers", "slipstream", "gguf"):
         try:

@@ -165,15 +165,19 @@ def build_specs(args: argparse.Namespace) -> list[ScenarioSpec]:
     return specs
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = cpu_name()
     mem = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
