@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.kernels.triton.configs import KernelConfigs
+from slipstream.kernels.triton.configs import KernelConfigs, decode_shapes
 from slipstream.kv.blocks import PagedKVCache, block_ids
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.buckets import BucketedDecoder
@@ -100,7 +100,7 @@ class GraphDecoder(BucketedDecoder):
         part = self.configs.attention["partition"]
         splits = -(-C // part)
         ws = {}
-        for n, k in self._matvec_shapes():
+        for _, n, k in decode_shapes(c, [B]):
             sk = self.configs.matvec_for(B, n, k)["split_k"]
             if sk > 1:
                 ws[(n, k)] = torch.empty((sk, B, n), **f32)
@@ -120,11 +120,6 @@ class GraphDecoder(BucketedDecoder):
                      torch.empty(B, H, splits, **f32)),
             matvec_ws=ws)
         return s
-
-    def _matvec_shapes(self) -> list[tuple[int, int]]:
-        c = self.model.cfg
-        H, KVH, D, Hd, F = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size
-        return [((H + 2 * KVH) * D, Hd), (Hd, H * D), (2 * F, Hd), (Hd, F), (c.vocab_size, Hd)]
 
     def _matvec(self, s: _Static, x: torch.Tensor, w: tuple, out: torch.Tensor, accumulate: bool = False,
                 norm: torch.Tensor | None = None, glu: bool = False) -> None:

@@ -33,9 +33,8 @@ from triton.language.extra.cuda import globaltimer   # only called when PROFILE 
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel, StepInput
 from slipstream.runtime.buckets import BucketedDecoder
-from slipstream.runtime.plan import (NUM_COLS, Op, Plan, TileConfig, WeightLayout, compile_plan,
-                                     fill_inputs, new_buffers, pack_weights, share_weights, supports,
-                                     validate)
+from slipstream.runtime.plan import (Op, Plan, TileConfig, compile_plan, fill_inputs, new_buffers,
+                                     pack_weights, share_weights, supports, validate)
 
 
 class MegakernelError(RuntimeError):
@@ -577,4 +576,4 @@ class MegakernelDecoder(BucketedDecoder):
         return s.logits
 
 
-__all__ = ["MegakernelDecoder", "MegakernelError", "launch", "check", "NUM_COLS", "WeightLayout"]
+__all__ = ["MegakernelDecoder", "MegakernelError", "launch", "check", "profile_summary", "compile_offline"]
