@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
-SOURCES = ["quant_matvec.c", "decode_ops.c"]
+SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
+HEADERS = ["simd.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
-FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
 
 
 def _cpu_id() -> str:
@@ -41,11 +42,13 @@ def load_library() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
+        warnings.warn("no C compiler found (gcc or cc, or $CC): the native CPU kernels are off and "
+                      "decoding runs on torch, several times slower")
         return None
     here = Path(__file__).parent
     src = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for p in src:
+    for p in src + [here / h for h in HEADERS]:
         key.update(p.read_bytes())
     key.update(" ".join([cc, *FLAGS, _cpu_id()]).encode())
     out = cache_dir() / f"slipstream_cpu_{key.hexdigest()[:16]}.so"
@@ -71,11 +74,19 @@ def load_library() -> ctypes.CDLL | None:
         "rope_store": [vp, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp, vp, vp],
         "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp],
         "silu_mul": [vp, i32, i32, vp],
+        "ss_team_configure": [i32, i32, i32],
+        "ss_step": [vp, vp, vp, i32, vp, i32, i32],
+        "ss_matmul": [vp, i32, vp, vp, i32],
+        "ss_quantize": [vp, i32, i32, vp, vp, vp],
+        "ss_profile": [i32, vp],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = None
+    lib.ss_team_configure.restype = i32
+    lib.ss_isa.argtypes = []
+    lib.ss_isa.restype = ctypes.c_char_p
     return lib
 
 

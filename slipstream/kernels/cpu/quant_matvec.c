@@ -5,6 +5,7 @@
 //       j + 16 in its high nibble), float32 scale[N][K/32] and min[N][K/32]: w = scale * q + min
 //       (Q4_0, Q4_1 and Q4_K all map onto it without changing a single weight);
 //   q8: int8 qs[N][K], float32 scale[N][K/32]: w = scale * q (Q8_0).
+// The row kernels, one per instruction set, are simd.h's exact (fp32-activation) products.
 // Activations and accumulation are fp32, so the result is the fp32 product over GGUF's own
 // dequantized weights up to summation order. Per group the maths is
 // scale * sum(q * x) + min * sum(x); the min part is one short dot per row at the end.
@@ -16,95 +17,12 @@
 // row fetched once serves the whole chunk (prefill uses the same kernels).
 // If accumulate != 0 the result is added to y (fuses the residual add).
 #include <stdint.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
-#define CHUNK 8
+#include "simd.h"
 
-#ifdef __AVX512F__
-static inline float dot_tail(__m512 acc, const float *a, const float *b, int G) {
-    for (int h = 0; h < G; h += 16) {
-        const __mmask16 k = G - h >= 16 ? 0xFFFF : (__mmask16)((1u << (G - h)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + h), _mm512_maskz_loadu_ps(k, b + h), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
-static inline __attribute__((always_inline)) void q4_row(
-    const uint8_t *row, const float *sc, const float *mn, int G, const float *x, int K,
-    const float *xs, const int nb, float *out) {
-    __m512 acc[CHUNK];
-    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi32(15);
-    for (int g = 0; g < G; g++) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + g * 16)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-        const __m512 d = _mm512_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
-            const float *xg = x + (int64_t)b * K + g * 32;
-            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
-            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
-            acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
-        }
-    }
-    for (int b = 0; b < nb; b++) out[b] = dot_tail(acc[b], mn, xs + (int64_t)b * G, G);
-}
-
-static inline __attribute__((always_inline)) void q8_row(
-    const int8_t *row, const float *sc, int G, const float *x, int K, const int nb, float *out) {
-    __m512 acc[CHUNK];
-    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + g * 32))));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + g * 32 + 16))));
-        const __m512 d = _mm512_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
-            const float *xg = x + (int64_t)b * K + g * 32;
-            __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xg));
-            t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), t);
-            acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
-        }
-    }
-    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
-}
-
-#else  // portable C (any CPU; the compiler vectorises what it can): same maths, same layout
-
-static inline __attribute__((always_inline)) void q4_row(
-    const uint8_t *row, const float *sc, const float *mn, int G, const float *x, int K,
-    const float *xs, const int nb, float *out) {
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + (int64_t)b * K;
-        float acc = 0.f, macc = 0.f;
-        for (int g = 0; g < G; g++) {
-            float t = 0.f;
-            for (int j = 0; j < 16; j++) {
-                const uint8_t v = row[g * 16 + j];
-                t += (float)(v & 15) * xb[g * 32 + j] + (float)(v >> 4) * xb[g * 32 + 16 + j];
-            }
-            acc += sc[g] * t;
-            macc += mn[g] * xs[(int64_t)b * G + g];
-        }
-        out[b] = acc + macc;
-    }
-}
-
-static inline __attribute__((always_inline)) void q8_row(
-    const int8_t *row, const float *sc, int G, const float *x, int K, const int nb, float *out) {
-    for (int b = 0; b < nb; b++) {
-        const float *xb = x + (int64_t)b * K;
-        float acc = 0.f;
-        for (int g = 0; g < G; g++) {
-            float t = 0.f;
-            for (int j = 0; j < 32; j++) t += (float)row[g * 32 + j] * xb[g * 32 + j];
-            acc += sc[g] * t;
-        }
-        out[b] = acc;
-    }
-}
-#endif
+#define CHUNK MAX_ROWS
+#define q4_row(row, sc, mn, G, x, K, xs, nb, out) q4f_row(row, sc, mn, G, x, K, xs, nb, out)
+#define q8_row(row, sc, G, x, K, nb, out) q8f_row(row, sc, G, x, K, nb, out)
 
 // A switch over the chunk size so each case is compiled with a constant row count.
 #define BY_CHUNK(nb, CALL) switch (nb) { \

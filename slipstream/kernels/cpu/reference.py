@@ -52,3 +52,32 @@ def attn_decode(q: torch.Tensor, kcache: torch.Tensor, vcache: torch.Tensor,
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     f = gu.shape[-1] // 2
     return F.silu(gu[:, :f]) * gu[:, f:]
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fast path's activation quantization, per group of 32 (ggml's Q8 blocks): d = max|x| / 127,
+    q = round-half-even(x * 127 / max|x|); returns q int8 [R, K], d [R, K/32], s = d * sum(q) [R, K/32]."""
+    R, K = x.shape
+    g = x.view(R, K // 32, 32)
+    amax = g.abs().amax(-1)
+    d = amax / 127
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inv[..., None]).to(torch.int32)
+    s = d * q.sum(-1).to(torch.float32)
+    return q.to(torch.int8).view(R, K), d, s
+
+
+def product_q8(w_dequant_parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+               x: torch.Tensor) -> torch.Tensor:
+    """The fast path's product: weights as (codes [N, K] float, scale [N, K/32], min [N, K/32] or
+    None) against activations quantized by `quantize_q8`: per group
+    scale * d * sum(q_w * q_x) + min * d * sum(q_x), in float64 (the kernels differ only by
+    fp32 summation order)."""
+    codes, scale, mn = w_dequant_parts
+    N, K = codes.shape
+    q, d, s = quantize_q8(x)
+    dots = torch.einsum("ngk,rgk->rng", codes.view(N, K // 32, 32).double(), q.view(-1, K // 32, 32).double())
+    out = (dots * scale.double()[None] * d.double()[:, None, :]).sum(-1)
+    if mn is not None:
+        out = out + s.double() @ mn.double().T
+    return out.float()

@@ -1,0 +1,463 @@
+// Row kernels shared by the decode step (step.c) and the standalone products (quant_matvec.c), one
+// branch per instruction set, chosen when the library is compiled for this CPU (build.py):
+//   SS_AVX512  AVX-512F/BW/VL (VNNI's vpdpbusd where present)
+//   SS_AVX2    AVX2 + FMA (AVX-VNNI's vpdpbusd where present)
+//   SS_NEON    AArch64 Advanced SIMD (the dot-product extension's sdot where present)
+//   otherwise  portable C, same maths
+//
+// Weight layouts (weights/quant.py): groups of 32 weights along K.
+//   q4:  uint8 qs[N][K/2], group g = bytes 16g..16g+15, byte j = element j (low nibble) and element
+//        j + 16 (high nibble); fp32 scale[N][K/32], min[N][K/32]: w = scale * q + min.
+//   q8:  int8 qs[N][K], fp32 scale[N][K/32]: w = scale * q.
+//   f32: float w[N][K].
+// Two kinds of products:
+//   exact: fp32 activations: per group scale * sum(q * x) + min * sum(x) (up to summation order,
+//          the fp32 product over GGUF's dequantized weights; what transformers computes);
+//   fast:  activations quantized per group of 32 to int8 (ggml's Q8 blocks: d = max|x| / 127,
+//          q = round(x / d)), integer dot products per group, scaled in fp32:
+//          scale * d * sum(qw * qx) + min * d * sum(qx).
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SS_AVX512 1
+#define SS_AVX2 1   // the 256-bit kernels are used for the integer products on AVX-512 too
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SS_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define SS_NEON 1
+#endif
+
+#if defined(SS_AVX2)
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SS_VNNI 1
+#define SS_DPBUSD(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define SS_VNNI 1
+#define SS_DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#endif
+#elif defined(SS_NEON)
+#include <arm_neon.h>
+#endif
+
+#define AI static inline __attribute__((always_inline))
+#define MAX_ROWS 8   // activation rows that share one pass over a weight row
+
+// -- which path this build runs --------------------------------------------------------------------
+static inline const char *ss_isa_name(void) {
+#if defined(SS_AVX512) && defined(SS_VNNI)
+    return "avx512-vnni";
+#elif defined(SS_AVX512)
+    return "avx512";
+#elif defined(SS_AVX2) && defined(SS_VNNI)
+    return "avx2-vnni";
+#elif defined(SS_AVX2)
+    return "avx2";
+#elif defined(SS_NEON) && defined(__ARM_FEATURE_DOTPROD)
+    return "neon-dotprod";
+#elif defined(SS_NEON)
+    return "neon";
+#else
+    return "portable";
+#endif
+}
+
+// -- float helpers ---------------------------------------------------------------------------------
+#if defined(SS_AVX2)
+AI float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// sum a[i] * b[i]
+AI float ss_dot(const float *a, const float *b, int n) {
+    int i = 0;
+    float s = 0.f;
+#if defined(SS_AVX512)
+    if (n >= 16) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (i = 16; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        s = _mm512_reduce_add_ps(acc);
+    }
+#elif defined(SS_AVX2)
+    if (n >= 8) {
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+        for (i = 8; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        s = hsum256(acc);
+    }
+#elif defined(SS_NEON)
+    if (n >= 4) {
+        float32x4_t acc = vmulq_f32(vld1q_f32(a), vld1q_f32(b));
+        for (i = 4; i + 4 <= n; i += 4) acc = vfmaq_f32(acc, vld1q_f32(a + i), vld1q_f32(b + i));
+        s = vaddvq_f32(acc);
+    }
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+// sum x[i] * x[i]
+AI float ss_sumsq(const float *x, int n) { return ss_dot(x, x, n); }
+
+// o[i] += w * v[i]
+AI void ss_axpy(float *o, float w, const float *v, int n) {
+    int i = 0;
+#if defined(SS_AVX2)
+    const __m256 wv = _mm256_set1_ps(w);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+#elif defined(SS_NEON)
+    const float32x4_t wv = vdupq_n_f32(w);
+    for (; i + 4 <= n; i += 4) vst1q_f32(o + i, vfmaq_f32(vld1q_f32(o + i), wv, vld1q_f32(v + i)));
+#endif
+    for (; i < n; i++) o[i] += w * v[i];
+}
+
+// -- activation quantization (fast path) -------------------------------------------------------------
+// x[K] -> q[K] int8, d[K/32] (scale), s[K/32] (d * sum of the group's codes)
+AI void ss_quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
+    const int G = K / 32;
+    for (int g = 0; g < G; g++) {
+        const float *xg = x + g * 32;
+        int8_t *qg = q + g * 32;
+#if defined(SS_AVX2)
+        __m256 v[4];
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xg + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float dg = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i i32[4];
+        for (int j = 0; j < 4; j++) i32[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], idv));  // nearest-even
+        const __m256i tot = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(tot), _mm256_extracti128_si256(tot, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+        _mm256_storeu_si256((__m256i *)qg, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        d[g] = dg;
+        s[g] = dg * (float)_mm_cvtsi128_si32(t4);
+#else
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        const float dg = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            const int v = (int)nearbyintf(xg[j] * id);   // round half to even (default mode)
+            qg[j] = (int8_t)v;
+            sum += v;
+        }
+        d[g] = dg;
+        s[g] = dg * (float)sum;
+#endif
+    }
+}
+
+// sum_g mn[g] * xs[g] (the 4-bit formats' offset term; xs = the activation's per-group sums)
+AI float ss_min_term(const float *mn, const float *xs, int G) { return ss_dot(mn, xs, G); }
+
+// -- fast products: int8 activations ------------------------------------------------------------------
+// out[b] = sum_k W[n, k] * X[b, k] for one weight row and nb activation rows (row stride K for xq,
+// G for xd and xs).
+AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, const int8_t *xq,
+                 const float *xd, const float *xs, int nb, float *out) {
+    const int K = G * 32;
+#if defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m128i m4 = _mm_set1_epi8(15);
+#ifndef SS_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int g = 0; g < G; g++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
+        const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        for (int b = 0; b < nb; b++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+#ifdef SS_VNNI
+            const __m256i p = SS_DPBUSD(_mm256_setzero_si256(), wq, a);
+#else
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);
+#endif
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]), _mm256_cvtepi32_ps(p), acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+#elif defined(SS_NEON)
+    float32x4_t acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    for (int g = 0; g < G; g++) {
+        const uint8x16_t raw = vld1q_u8(w + g * 16);
+        const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, m4)), hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+            const int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, a0), hi, a1);
+#else
+            int16x8_t m0 = vmull_s8(vget_low_s8(lo), vget_low_s8(a0));
+            m0 = vmlal_s8(m0, vget_high_s8(lo), vget_high_s8(a0));
+            int16x8_t m1 = vmull_s8(vget_low_s8(hi), vget_low_s8(a1));
+            m1 = vmlal_s8(m1, vget_high_s8(hi), vget_high_s8(a1));
+            const int32x4_t p = vaddq_s32(vpaddlq_s16(m0), vpaddlq_s16(m1));
+#endif
+            acc[b] = vfmaq_n_f32(acc[b], vcvtq_f32_s32(p), sc[g] * xd[(int64_t)b * G + g]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+#else
+    for (int b = 0; b < nb; b++) {
+        const int8_t *a = xq + (int64_t)b * K;
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t v = w[g * 16 + j];
+                sum += (v & 15) * a[g * 32 + j] + (v >> 4) * a[g * 32 + 16 + j];
+            }
+            acc += sc[g] * xd[(int64_t)b * G + g] * (float)sum;
+        }
+        out[b] = acc + ss_min_term(mn, xs + (int64_t)b * G, G);
+    }
+#endif
+}
+
+AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, const float *xd, int nb,
+                 float *out) {
+    const int K = G * 32;
+#if defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+#ifndef SS_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    for (int g = 0; g < G; g++) {
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+        const __m256i wa = _mm256_sign_epi8(wq, wq);   // |w| as unsigned bytes
+        for (int b = 0; b < nb; b++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+            const __m256i as = _mm256_sign_epi8(a, wq);    // a * sign(w)
+#ifdef SS_VNNI
+            const __m256i p = SS_DPBUSD(_mm256_setzero_si256(), wa, as);
+#else
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, as), ones);
+#endif
+            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]), _mm256_cvtepi32_ps(p), acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+#elif defined(SS_NEON)
+    float32x4_t acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    for (int g = 0; g < G; g++) {
+        const int8x16_t w0 = vld1q_s8(w + g * 32), w1 = vld1q_s8(w + g * 32 + 16);
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+            const int32x4_t p = vdotq_s32(vdotq_s32(vdupq_n_s32(0), w0, a0), w1, a1);
+#else
+            // two products per int16 lane would overflow at 127 * 127 * 2: widen each product
+            int32x4_t p = vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(a0)));
+            p = vpadalq_s16(p, vmull_s8(vget_high_s8(w0), vget_high_s8(a0)));
+            p = vpadalq_s16(p, vmull_s8(vget_low_s8(w1), vget_low_s8(a1)));
+            p = vpadalq_s16(p, vmull_s8(vget_high_s8(w1), vget_high_s8(a1)));
+#endif
+            acc[b] = vfmaq_n_f32(acc[b], vcvtq_f32_s32(p), sc[g] * xd[(int64_t)b * G + g]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
+#else
+    for (int b = 0; b < nb; b++) {
+        const int8_t *a = xq + (int64_t)b * K;
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += w[g * 32 + j] * a[g * 32 + j];
+            acc += sc[g] * xd[(int64_t)b * G + g] * (float)sum;
+        }
+        out[b] = acc;
+    }
+#endif
+}
+
+// -- exact products: fp32 activations ------------------------------------------------------------------
+// xs: the activation's per-group sums, [nb][G] (for the min term)
+AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const float *x, int K,
+                const float *xs, int nb, float *out) {
+#if defined(SS_AVX512)
+    __m512 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int g = 0; g < G; g++) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 16)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+        const __m512 d = _mm512_set1_ps(sc[g]);
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
+            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
+            acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+#elif defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int g = 0; g < G; g++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
+        const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        const __m256 d = _mm256_set1_ps(sc[g]);
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+            t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
+            t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), t);
+            t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), t);
+            acc[b] = _mm256_fmadd_ps(d, t, acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+#elif defined(SS_NEON)
+    float32x4_t acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    const uint8x16_t m4 = vdupq_n_u8(15);
+    for (int g = 0; g < G; g++) {
+        const uint8x16_t raw = vld1q_u8(w + g * 16);
+        const uint8x16_t lo = vandq_u8(raw, m4), hi = vshrq_n_u8(raw, 4);
+        float32x4_t wf[8];
+        const uint16x8_t l0 = vmovl_u8(vget_low_u8(lo)), l1 = vmovl_u8(vget_high_u8(lo));
+        const uint16x8_t h0 = vmovl_u8(vget_low_u8(hi)), h1 = vmovl_u8(vget_high_u8(hi));
+        wf[0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(l0))); wf[1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(l0)));
+        wf[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(l1))); wf[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(l1)));
+        wf[4] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(h0))); wf[5] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(h0)));
+        wf[6] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(h1))); wf[7] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(h1)));
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            float32x4_t t = vmulq_f32(wf[0], vld1q_f32(xg));
+            for (int j = 1; j < 8; j++) t = vfmaq_f32(t, wf[j], vld1q_f32(xg + 4 * j));
+            acc[b] = vfmaq_n_f32(acc[b], t, sc[g]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+#else
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)b * K;
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t v = w[g * 16 + j];
+                t += (float)(v & 15) * xb[g * 32 + j] + (float)(v >> 4) * xb[g * 32 + 16 + j];
+            }
+            acc += sc[g] * t;
+        }
+        out[b] = acc + ss_min_term(mn, xs + (int64_t)b * G, G);
+    }
+#endif
+}
+
+AI void q8f_row(const int8_t *w, const float *sc, int G, const float *x, int K, int nb, float *out) {
+#if defined(SS_AVX512)
+    __m512 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 32))));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 32 + 16))));
+        const __m512 d = _mm512_set1_ps(sc[g]);
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xg));
+            t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), t);
+            acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
+#elif defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m256 wf[4];
+        for (int j = 0; j < 4; j++)
+            wf[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + g * 32 + 8 * j))));
+        const __m256 d = _mm256_set1_ps(sc[g]);
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            __m256 t = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xg));
+            for (int j = 1; j < 4; j++) t = _mm256_fmadd_ps(wf[j], _mm256_loadu_ps(xg + 8 * j), t);
+            acc[b] = _mm256_fmadd_ps(d, t, acc[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+#elif defined(SS_NEON)
+    float32x4_t acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    for (int g = 0; g < G; g++) {
+        float32x4_t wf[8];
+        for (int j = 0; j < 2; j++) {
+            const int8x16_t q = vld1q_s8(w + g * 32 + 16 * j);
+            const int16x8_t a = vmovl_s8(vget_low_s8(q)), c = vmovl_s8(vget_high_s8(q));
+            wf[4 * j + 0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(a)));
+            wf[4 * j + 1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(a)));
+            wf[4 * j + 2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(c)));
+            wf[4 * j + 3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(c)));
+        }
+        for (int b = 0; b < nb; b++) {
+            const float *xg = x + (int64_t)b * K + g * 32;
+            float32x4_t t = vmulq_f32(wf[0], vld1q_f32(xg));
+            for (int j = 1; j < 8; j++) t = vfmaq_f32(t, wf[j], vld1q_f32(xg + 4 * j));
+            acc[b] = vfmaq_n_f32(acc[b], t, sc[g]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
+#else
+    for (int b = 0; b < nb; b++) {
+        const float *xb = x + (int64_t)b * K;
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            float t = 0.f;
+            for (int j = 0; j < 32; j++) t += (float)w[g * 32 + j] * xb[g * 32 + j];
+            acc += sc[g] * t;
+        }
+        out[b] = acc;
+    }
+#endif
+}
+
+// dense fp32 weights (F32 tensors, and F16/BF16 widened at load)
+AI void f32_row(const float *w, int K, const float *x, int nb, float *out) {
+    for (int b = 0; b < nb; b++) out[b] = ss_dot(w, x + (int64_t)b * K, K);
+}
+
+// the activation's per-group sums for the exact 4-bit products' min term
+AI void ss_group_sums(const float *x, int K, float *xs) {
+    for (int g = 0; g < K / 32; g++) {
+        float s = 0.f;
+        for (int j = 0; j < 32; j++) s += x[g * 32 + j];
+        xs[g] = s;
+    }
+}
+
+// A switch over the row count so each case is compiled with a constant nb.
+#define SS_BY_ROWS(nb, CALL) switch (nb) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }

@@ -1,0 +1,510 @@
+// The whole decode step of a Llama-family model as one native call: a persistent team of threads
+// runs a table of tile tasks (runtime/cpu_plan.py builds and validates it) linked by event counters.
+//
+// This is the CPU twin of the GPU megakernel (DESIGN.md, engine layer step 4). Tasks are taken in
+// their topological order from one ticket counter; a task first waits until its event counter has
+// reached its count, runs, then adds one to the event it signals. Because a task only waits on events
+// signalled by tasks earlier in the order, any number of threads (one included) completes the table.
+// There is no fork/join barrier between operators: a thread that finishes its part of the QKV product
+// moves straight on to attention heads whose inputs are ready. Waiting spins briefly and then sleeps on
+// a futex, so a neighbour process that takes a core slows the step down instead of stalling it: the
+// threads that run keep taking tickets.
+//
+// Buffers, weights and the KV cache are owned by Python (torch tensors); this file owns only the
+// threads and a per-thread scratch for attention scores.
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#include <alloca.h>
+
+#include "simd.h"
+
+// -- what Python passes (mirrored by ctypes structures in runtime/cpu_team.py) ---------------------
+enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8 };
+
+typedef struct {
+    const void *q;          // codes (or fp32 values for KIND_F32)
+    const float *scale;     // [N][K/32]
+    const float *min;       // [N][K/32] (q4)
+    const float *bias;      // [N] or NULL
+    int32_t kind, n, k, pad;
+} SSMat;
+
+typedef struct {
+    SSMat qkv, o, gate_up, down;
+    const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
+    float *kcache, *vcache;   // [slots][KVH][D]
+} SSLayer;
+
+typedef struct {
+    int32_t n_layers, hidden, heads, kv_heads, head_dim, ffn, vocab, pad;
+    float eps, attn_scale;
+    const SSLayer *layers;
+    SSMat embed, lm_head;
+    const float *norm;
+} SSModel;
+
+// An activation: fp32 rows and, for the fast path, their int8 codes, per-group scales and sums.
+// In the exact path `s` holds plain per-group sums of the fp32 values (the 4-bit min term).
+typedef struct {
+    float *f;
+    int8_t *q;
+    float *d, *s;
+} SSAct;
+
+typedef struct {
+    int32_t rows, pad;
+    const int64_t *tokens;       // [rows]
+    const int64_t *write_slots;  // [rows]
+    const int64_t *read_slots;   // every row's context slots, concatenated
+    const int64_t *starts;       // [rows + 1] into read_slots
+    const float *cos, *sin;      // [rows][D/2]
+    float *x;                    // [rows][hidden] residual stream
+    SSAct h;                     // [rows][hidden] normalised
+    float *qkv;                  // [rows][(H + 2 KVH) D]
+    SSAct attn;                  // [rows][H D]
+    SSAct act;                   // [rows][F]
+    float *logits;               // [rows][vocab]
+    int64_t *next_tokens;        // [rows] greedy tokens (OP_ARGMAX)
+} SSStep;
+
+typedef struct {
+    int32_t op, layer, t0, t1, wait_ev, wait_count, sig_ev, aux;
+} SSTask;
+
+enum {
+    OP_EMBED = 0,     // row t0: x = embedding of its token
+    OP_NORM = 1,      // rows t0..t1: h = RMSNorm(x) (aux: 0 attn, 1 ffn, 2 final), quantized
+    OP_QKV = 2,       // heads t0..t1 of the fused QKV rows: product, bias, q/k norm, RoPE, KV store
+    OP_ATTN = 3,      // row t0, query head t1: decode attention over the row's context
+    OP_PREP = 4,      // row t0: quantize attn (when the head size is not a multiple of 32)
+    OP_O = 5,         // rows t0..t1 of Wo: x += attn Wo^T
+    OP_GATE_UP = 6,   // act columns t0..t1: act = silu(h Wg^T) * (h Wu^T), quantized
+    OP_DOWN = 7,      // rows t0..t1 of Wdown: x += act Wdown^T
+    OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T
+    OP_ARGMAX = 9,    // row t0: next token = argmax(logits) (lowest index on ties)
+};
+
+// -- products over a tile of weight rows -------------------------------------------------------------
+// y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
+static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, float *y, int ystride,
+                     int accumulate, int exact) {
+    const int K = m->k, G = K / 32;
+    for (int n = n0; n < n1; n++) {
+        for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
+            const int nb = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
+            float out[MAX_ROWS];
+            const float *xf = x->f + (int64_t)b0 * K;
+            if (m->kind == KIND_Q4) {
+                const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * (K / 2);
+                const float *sc = m->scale + (int64_t)n * G, *mn = m->min + (int64_t)n * G;
+                const float *xs = x->s + (int64_t)b0 * G;
+                if (exact) {
+#define Q4F(NB) q4f_row(w, sc, mn, G, xf, K, xs, NB, out)
+                    SS_BY_ROWS(nb, Q4F)
+#undef Q4F
+                } else {
+                    const int8_t *xq = x->q + (int64_t)b0 * K;
+                    const float *xd = x->d + (int64_t)b0 * G;
+#define Q4Q(NB) q4q8_row(w, sc, mn, G, xq, xd, xs, NB, out)
+                    SS_BY_ROWS(nb, Q4Q)
+#undef Q4Q
+                }
+            } else if (m->kind == KIND_Q8) {
+                const int8_t *w = (const int8_t *)m->q + (int64_t)n * K;
+                const float *sc = m->scale + (int64_t)n * G;
+                if (exact) {
+#define Q8F(NB) q8f_row(w, sc, G, xf, K, NB, out)
+                    SS_BY_ROWS(nb, Q8F)
+#undef Q8F
+                } else {
+                    const int8_t *xq = x->q + (int64_t)b0 * K;
+                    const float *xd = x->d + (int64_t)b0 * G;
+#define Q8Q(NB) q8q8_row(w, sc, G, xq, xd, NB, out)
+                    SS_BY_ROWS(nb, Q8Q)
+#undef Q8Q
+                }
+            } else {
+                f32_row((const float *)m->q + (int64_t)n * K, K, xf, nb, out);
+            }
+            const float bias = m->bias ? m->bias[n] : 0.f;
+            for (int b = 0; b < nb; b++) {
+                float *yo = y + (int64_t)(b0 + b) * ystride + n;
+                const float v = m->bias ? out[b] + bias : out[b];
+                *yo = accumulate ? *yo + v : v;
+            }
+        }
+    }
+}
+
+// the fast path's int8 codes (or the exact path's group sums) of columns [c0, c1) of a row
+static void prepare(const SSAct *a, int row, int K, int c0, int c1, int exact) {
+    const int G = K / 32;
+    const float *f = a->f + (int64_t)row * K + c0;
+    if (exact)
+        ss_group_sums(f, c1 - c0, a->s + (int64_t)row * G + c0 / 32);
+    else
+        ss_quantize_row(f, c1 - c0, a->q + (int64_t)row * K + c0, a->d + (int64_t)row * G + c0 / 32,
+                        a->s + (int64_t)row * G + c0 / 32);
+}
+
+static void rmsnorm_row(const float *x, const float *w, int n, float eps, float *out) {
+    const float inv = 1.0f / sqrtf(ss_sumsq(x, n) / n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+static void rope_head(float *v, const float *cs, const float *sn, int d) {
+    const int h = d / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i] + a * sn[i];
+    }
+}
+
+static void embed_row(const SSMat *e, int64_t tok, float *out) {
+    const int K = e->k, G = K / 32;
+    if (e->kind == KIND_F32) {
+        memcpy(out, (const float *)e->q + tok * K, sizeof(float) * K);
+    } else if (e->kind == KIND_Q8) {
+        const int8_t *q = (const int8_t *)e->q + tok * K;
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 32; j++) out[g * 32 + j] = e->scale[tok * G + g] * (float)q[g * 32 + j];
+    } else {
+        const uint8_t *q = (const uint8_t *)e->q + tok * (K / 2);
+        for (int g = 0; g < G; g++) {
+            const float d = e->scale[tok * G + g], m = e->min[tok * G + g];
+            for (int j = 0; j < 16; j++) {
+                out[g * 32 + j] = d * (float)(q[g * 16 + j] & 15) + m;
+                out[g * 32 + 16 + j] = d * (float)(q[g * 16 + j] >> 4) + m;
+            }
+        }
+    }
+}
+
+static __thread float *tl_scores;
+static __thread int64_t tl_cap;
+
+static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int h, int exact) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const int64_t n = s->starts[b + 1] - s->starts[b];
+    const int64_t *sl = s->read_slots + s->starts[b];
+    const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h * D;
+    const int kvh = h / (H / KVH);
+    if (n > tl_cap) {
+        free(tl_scores);
+        tl_cap = n > 4096 ? n : 4096;
+        tl_scores = (float *)malloc(sizeof(float) * tl_cap);
+    }
+    float *p = tl_scores, mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = ss_dot(q, L->kcache + (sl[j] * KVH + kvh) * D, D) * m->attn_scale;
+        if (p[j] > mx) mx = p[j];
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = expf(p[j] - mx);
+        sum += p[j];
+    }
+    const float inv = 1.0f / sum;
+    float *o = s->attn.f + (int64_t)b * H * D + h * D;
+    memset(o, 0, sizeof(float) * D);
+    for (int64_t j = 0; j < n; j++) ss_axpy(o, p[j] * inv, L->vcache + (sl[j] * KVH + kvh) * D, D);
+    if (D % 32 == 0) prepare(&s->attn, b, H * D, h * D, (h + 1) * D, exact);
+}
+
+static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exact) {
+    const int B = s->rows, hid = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+    const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
+    switch (t->op) {
+    case OP_EMBED:
+        embed_row(&m->embed, s->tokens[t->t0], s->x + (int64_t)t->t0 * hid);
+        break;
+    case OP_NORM: {
+        const float *w = t->aux == 0 ? L->attn_norm : t->aux == 1 ? L->ffn_norm : m->norm;
+        for (int b = t->t0; b < t->t1; b++) {
+            rmsnorm_row(s->x + (int64_t)b * hid, w, hid, m->eps, s->h.f + (int64_t)b * hid);
+            prepare(&s->h, b, hid, 0, hid, exact);
+        }
+        break;
+    }
+    case OP_QKV: {
+        const int row = (H + 2 * KVH) * D;
+        mat_rows(&L->qkv, t->t0 * D, t->t1 * D, B, &s->h, s->qkv, row, 0, exact);
+        for (int b = 0; b < B; b++) {
+            const float *cs = s->cos + (int64_t)b * (D / 2), *sn = s->sin + (int64_t)b * (D / 2);
+            const int64_t slot = s->write_slots[b];
+            for (int hd = t->t0; hd < t->t1; hd++) {
+                float *v = s->qkv + (int64_t)b * row + hd * D;
+                if (hd < H) {
+                    if (L->q_norm) rmsnorm_row(v, L->q_norm, D, m->eps, v);
+                    rope_head(v, cs, sn, D);
+                } else if (hd < H + KVH) {
+                    if (L->k_norm) rmsnorm_row(v, L->k_norm, D, m->eps, v);
+                    rope_head(v, cs, sn, D);
+                    if (slot >= 0) memcpy(L->kcache + (slot * KVH + hd - H) * D, v, sizeof(float) * D);
+                } else if (slot >= 0) {
+                    memcpy(L->vcache + (slot * KVH + hd - H - KVH) * D, v, sizeof(float) * D);
+                }
+            }
+        }
+        break;
+    }
+    case OP_ATTN:
+        attention(m, s, L, t->t0, t->t1, exact);
+        break;
+    case OP_PREP:
+        prepare(&s->attn, t->t0, H * D, 0, H * D, exact);
+        break;
+    case OP_O:
+        mat_rows(&L->o, t->t0, t->t1, B, &s->attn, s->x, hid, 1, exact);
+        break;
+    case OP_GATE_UP: {
+        const int F = m->ffn, w = t->t1 - t->t0;
+        float *g = (float *)alloca(sizeof(float) * (size_t)B * w * 2), *u = g + (size_t)B * w;
+        mat_rows(&L->gate_up, t->t0, t->t1, B, &s->h, g - t->t0, w, 0, exact);
+        mat_rows(&L->gate_up, F + t->t0, F + t->t1, B, &s->h, u - F - t->t0, w, 0, exact);
+        for (int b = 0; b < B; b++) {
+            float *a = s->act.f + (int64_t)b * F;
+            for (int i = 0; i < w; i++) {
+                const float gv = g[b * w + i];
+                a[t->t0 + i] = gv / (1.0f + expf(-gv)) * u[b * w + i];
+            }
+            prepare(&s->act, b, F, t->t0, t->t1, exact);
+        }
+        break;
+    }
+    case OP_DOWN:
+        mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->x, hid, 1, exact);
+        break;
+    case OP_LM_HEAD:
+        mat_rows(&m->lm_head, t->t0, t->t1, B, &s->h, s->logits, m->vocab, 0, exact);
+        break;
+    case OP_ARGMAX: {
+        const float *l = s->logits + (int64_t)t->t0 * m->vocab;
+        int best = 0;
+        for (int i = 1; i < m->vocab; i++)
+            if (l[i] > l[best]) best = i;
+        s->next_tokens[t->t0] = best;
+        break;
+    }
+    }
+}
+
+// -- the team ------------------------------------------------------------------------------------------
+#define MAX_THREADS 256
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void futex_wait(_Atomic uint32_t *addr, uint32_t val) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+typedef struct {
+    // the current job (written by the caller before it publishes a new generation)
+    const SSModel *model;
+    const SSStep *step;
+    const SSTask *tasks;
+    int32_t n_tasks, exact;
+    _Atomic int32_t *events;
+    // synchronisation
+    _Atomic uint64_t ticket;       // generation << 32 | next task index
+    _Atomic uint32_t gen;          // futex word: a new step
+    _Atomic uint32_t progress;     // futex word: an event was signalled while someone slept
+    _Atomic int32_t sleepers;      // threads asleep on `progress`
+    _Atomic int32_t finished;      // tasks completed in this step
+    _Atomic int32_t stop;
+    int nthreads;                  // including the caller
+    pthread_t threads[MAX_THREADS];
+    int spin_wait, spin_idle;      // pause iterations before sleeping (inside a step / between steps)
+    pthread_mutex_t lock;          // serialises callers (one step at a time)
+} Team;
+
+// optional per-opcode profile: busy and waiting nanoseconds, summed over threads
+#define N_OPS 10
+static int prof_on;
+static _Atomic int64_t prof_busy[N_OPS], prof_wait[N_OPS], prof_count[N_OPS];
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static Team T = {.lock = PTHREAD_MUTEX_INITIALIZER, .nthreads = 1, .spin_wait = 4000, .spin_idle = 20000};
+
+static void wake_sleepers(void) {
+    if (atomic_load(&T.sleepers) > 0) {
+        atomic_fetch_add(&T.progress, 1);
+        futex_wake_all(&T.progress);
+    }
+}
+
+// until *v >= count: spin, then sleep on `progress` (re-checked after announcing the sleep)
+static void wait_at_least(_Atomic int32_t *v, int32_t count) {
+    if (atomic_load_explicit(v, memory_order_acquire) >= count) return;
+    for (int i = 0; i < T.spin_wait; i++) {
+        cpu_relax();
+        if (atomic_load_explicit(v, memory_order_acquire) >= count) return;
+    }
+    for (;;) {
+        const uint32_t p = atomic_load(&T.progress);
+        atomic_fetch_add(&T.sleepers, 1);
+        if (atomic_load(v) >= count) {
+            atomic_fetch_sub(&T.sleepers, 1);
+            return;
+        }
+        futex_wait(&T.progress, p);
+        atomic_fetch_sub(&T.sleepers, 1);
+        if (atomic_load(v) >= count) return;
+    }
+}
+
+// take tickets of generation g until the table is exhausted
+static void work(uint32_t g) {
+    int32_t done = 0;
+    for (;;) {
+        uint64_t cur = atomic_load(&T.ticket);
+        if ((uint32_t)(cur >> 32) != g || (int32_t)(uint32_t)cur >= T.n_tasks) break;
+        if (!atomic_compare_exchange_weak(&T.ticket, &cur, cur + 1)) continue;
+        const SSTask *t = &T.tasks[(uint32_t)cur];
+        const int64_t t0 = prof_on ? now_ns() : 0;
+        if (t->wait_ev >= 0) wait_at_least(&T.events[t->wait_ev], t->wait_count);
+        const int64_t t1 = prof_on ? now_ns() : 0;
+        run_task(T.model, T.step, t, T.exact);
+        if (prof_on) {
+            atomic_fetch_add(&prof_wait[t->op], t1 - t0);
+            atomic_fetch_add(&prof_busy[t->op], now_ns() - t1);
+            atomic_fetch_add(&prof_count[t->op], 1);
+        }
+        if (t->sig_ev >= 0) {
+            atomic_fetch_add(&T.events[t->sig_ev], 1);
+            wake_sleepers();
+        }
+        done++;
+    }
+    if (done) {
+        atomic_fetch_add(&T.finished, done);
+        wake_sleepers();
+    }
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    uint32_t seen = atomic_load(&T.gen);
+    for (;;) {
+        uint32_t g;
+        int i = 0;
+        while ((g = atomic_load_explicit(&T.gen, memory_order_acquire)) == seen && !atomic_load(&T.stop)) {
+            if (i++ < T.spin_idle) cpu_relax();
+            else futex_wait(&T.gen, seen);
+        }
+        if (atomic_load(&T.stop)) break;
+        seen = g;
+        work(g);
+    }
+    return NULL;
+}
+
+static void team_stop(void) {
+    if (T.nthreads <= 1) return;
+    atomic_store(&T.stop, 1);
+    atomic_fetch_add(&T.gen, 1);
+    futex_wake_all(&T.gen);
+    for (int i = 1; i < T.nthreads; i++) pthread_join(T.threads[i], NULL);
+    atomic_store(&T.stop, 0);
+    T.nthreads = 1;
+}
+
+// Size the team (threads including the caller); spin counts < 0 keep the current ones.
+int ss_team_configure(int nthreads, int spin_wait, int spin_idle) {
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+    pthread_mutex_lock(&T.lock);
+    if (spin_wait >= 0) T.spin_wait = spin_wait;
+    if (spin_idle >= 0) T.spin_idle = spin_idle;
+    if (nthreads != T.nthreads) {
+        team_stop();
+        for (int i = 1; i < nthreads; i++) {
+            if (pthread_create(&T.threads[i], NULL, worker_main, NULL) != 0) break;
+            T.nthreads = i + 1;
+        }
+    }
+    const int n = T.nthreads;
+    pthread_mutex_unlock(&T.lock);
+    return n;
+}
+
+// Run one step's task table; events: n_events int32 counters (zeroed here).
+void ss_step(const SSModel *model, const SSStep *step, const SSTask *tasks, int n_tasks,
+             int32_t *events, int n_events, int exact) {
+    pthread_mutex_lock(&T.lock);
+    memset(events, 0, sizeof(int32_t) * (size_t)n_events);
+    T.model = model;
+    T.step = step;
+    T.tasks = tasks;
+    T.n_tasks = n_tasks;
+    T.exact = exact;
+    T.events = (_Atomic int32_t *)events;
+    atomic_store(&T.finished, 0);
+    const uint32_t g = atomic_load(&T.gen) + 1;
+    atomic_store(&T.ticket, (uint64_t)g << 32);
+    atomic_store_explicit(&T.gen, g, memory_order_release);
+    if (T.nthreads > 1) futex_wake_all(&T.gen);
+    work(g);
+    wait_at_least(&T.finished, n_tasks);
+    pthread_mutex_unlock(&T.lock);
+}
+
+// Turn the profile on or off (clearing it); out: [3][N_OPS] busy ns, wait ns, task count.
+void ss_profile(int enable, int64_t *out) {
+    for (int i = 0; i < N_OPS; i++) {
+        if (out) {
+            out[i] = atomic_load(&prof_busy[i]);
+            out[N_OPS + i] = atomic_load(&prof_wait[i]);
+            out[2 * N_OPS + i] = atomic_load(&prof_count[i]);
+        }
+        atomic_store(&prof_busy[i], 0);
+        atomic_store(&prof_wait[i], 0);
+        atomic_store(&prof_count[i], 0);
+    }
+    prof_on = enable;
+}
+
+// -- entry points for tests and the eager path -------------------------------------------------------
+const char *ss_isa(void) { return ss_isa_name(); }
+
+// y[B][N] = X[B][K] W^T, single-threaded, through the same row kernels as the step (exact or fast)
+void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
+    const int K = m->k, G = K / 32;
+    SSAct a = {(float *)x, (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * G),
+               (float *)malloc(sizeof(float) * B * G)};
+    for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
+    mat_rows(m, 0, m->n, B, &a, y, m->n, 0, exact);
+    free(a.q);
+    free(a.d);
+    free(a.s);
+}
+
+// q[B][K] int8, d and s [B][K/32]: the fast path's activation quantization
+void ss_quantize(const float *x, int B, int K, int8_t *q, float *d, float *s) {
+    for (int b = 0; b < B; b++)
+        ss_quantize_row(x + (int64_t)b * K, K, q + (int64_t)b * K, d + (int64_t)b * (K / 32), s + (int64_t)b * (K / 32));
+}

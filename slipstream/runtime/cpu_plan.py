@@ -1,0 +1,144 @@
+"""The CPU decode step as a table of tile tasks linked by event counters (run by `kernels/cpu/step.c`).
+
+The table has the megakernel plan's shape (`plan.py`): one row per task in topological order with the
+columns OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX. A task waits until event WAIT_EV has
+been signalled WAIT_COUNT times, runs, and signals SIG_EV once. The CPU's opcodes differ from the
+GPU's (a CPU task quantizes its own output for the next product, a GPU task does not), the contract
+is the same: every wait is on an event whose signallers all come earlier in the order, so the table
+completes with any number of threads, one included. `validate` checks that statically.
+
+Tiles are sized for the thread count: at least a few tasks per thread in every operator (dynamic
+load balance when a thread is slowed down), and no tile larger than about 256 KB of weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+COLUMNS = ("OP", "LAYER", "T0", "T1", "WAIT_EV", "WAIT_COUNT", "SIG_EV", "AUX")
+OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX = range(len(COLUMNS))
+
+# opcodes: the `OP_*` enum of step.c
+EMBED, NORM, QKV, ATTN, PREP, O_PROJ, GATE_UP, DOWN, LM_HEAD, ARGMAX = range(10)
+OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN", "LM_HEAD", "ARGMAX")
+NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
+TILE_BYTES = 256 * 1024
+TASKS_PER_THREAD = 4
+
+
+class CpuPlanError(ValueError):
+    """A task table that could deadlock or leave outputs unwritten."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs to know about the model."""
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    bytes_per_weight: dict[str, float]   # qkv, o, gate_up, down, lm_head -> bytes per weight
+
+
+def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int, int]]:
+    """[t0, t1) ranges over n rows in multiples of `unit`: at least TASKS_PER_THREAD per thread, at most
+    TILE_BYTES of weights each (as far as units allow)."""
+    units = -(-n // unit)
+    want = max(threads * TASKS_PER_THREAD if threads > 1 else 1, int(-(-n * row_bytes // TILE_BYTES)))
+    count = max(1, min(units, want))
+    per = -(-units // count)
+    return [(a * unit, min(n, (a + per) * unit)) for a in range(0, units, per)]
+
+
+def build(shape: Shape, rows: int, threads: int, argmax: bool) -> np.ndarray:
+    """The task table [tasks, 8] int32 for a decode step of `rows` sequences."""
+    s = shape
+    tasks: list[tuple[int, ...]] = []
+    n_events = 0
+    prev = (-1, 0)   # (event, count) the next operator waits on
+
+    def op(code: int, layer: int, ranges: list[tuple[int, int]], aux: int = 0) -> None:
+        nonlocal n_events, prev
+        ev = n_events
+        n_events += 1
+        for t0, t1 in ranges:
+            tasks.append((code, layer, t0, t1, prev[0], prev[1], ev, aux))
+        prev = (ev, len(ranges))
+
+    bpw = s.bytes_per_weight
+    qkv_heads = s.heads + 2 * s.kv_heads
+    op(EMBED, -1, [(b, b + 1) for b in range(rows)])
+    for layer in range(s.num_layers):
+        op(NORM, layer, [(0, rows)], NORM_ATTN)
+        op(QKV, layer, _tiles(qkv_heads, 1, s.head_dim * s.hidden * bpw["qkv"], threads))
+        op(ATTN, layer, [(b, h) for b in range(rows) for h in range(s.heads)])
+        if s.head_dim % 32:
+            op(PREP, layer, [(b, b + 1) for b in range(rows)])
+        op(O_PROJ, layer, _tiles(s.hidden, 8, s.heads * s.head_dim * bpw["o"], threads))
+        op(NORM, layer, [(0, rows)], NORM_FFN)
+        op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
+        op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
+    op(NORM, -1, [(0, rows)], NORM_FINAL)
+    op(LM_HEAD, -1, _tiles(s.vocab, 8, s.hidden * bpw["lm_head"], threads))
+    if argmax:
+        op(ARGMAX, -1, [(b, b + 1) for b in range(rows)])
+    return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
+
+
+def num_events(table: np.ndarray) -> int:
+    return int(table[:, SIG_EV].max()) + 1 if len(table) else 0
+
+
+def validate(table: np.ndarray, shape: Shape, rows: int) -> None:
+    """Raises CpuPlanError unless every wait is on an event all of whose signals come earlier in the
+    order (so the table cannot deadlock with any number of threads) and every output is covered once."""
+    if table.ndim != 2 or table.shape[1] != len(COLUMNS):
+        raise CpuPlanError(f"a task table has {len(COLUMNS)} columns, got shape {table.shape}")
+    signals: dict[int, int] = {}
+    last_signal: dict[int, int] = {}
+    for i, t in enumerate(table.tolist()):
+        if not 0 <= t[OP] < len(OP_NAMES):
+            raise CpuPlanError(f"task {i}: unknown opcode {t[OP]}")
+        if t[SIG_EV] < 0:
+            raise CpuPlanError(f"task {i}: signals no event")
+        signals[t[SIG_EV]] = signals.get(t[SIG_EV], 0) + 1
+        last_signal[t[SIG_EV]] = i
+    for i, t in enumerate(table.tolist()):
+        ev, count = t[WAIT_EV], t[WAIT_COUNT]
+        if ev < 0:
+            if t[OP] != EMBED:
+                raise CpuPlanError(f"task {i} ({OP_NAMES[t[OP]]}) waits on nothing")
+            continue
+        if signals.get(ev, 0) != count:
+            raise CpuPlanError(f"task {i} waits for {count} signals of event {ev}, which gets {signals.get(ev, 0)}")
+        if last_signal[ev] >= i:
+            raise CpuPlanError(f"task {i} waits on event {ev}, signalled by task {last_signal[ev]} after it")
+    _check_coverage(table, shape, rows)
+
+
+def _check_coverage(table: np.ndarray, s: Shape, rows: int) -> None:
+    extent = {QKV: s.heads + 2 * s.kv_heads, O_PROJ: s.hidden, GATE_UP: s.ffn, DOWN: s.hidden, LM_HEAD: s.vocab}
+    by_op: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for t in table.tolist():
+        if t[OP] in extent:
+            by_op.setdefault((t[OP], t[LAYER]), []).append((t[T0], t[T1]))
+    layers = list(range(s.num_layers))
+    for code, n in extent.items():
+        for layer in ([-1] if code == LM_HEAD else layers):
+            spans = sorted(by_op.get((code, layer), []))
+            pos = 0
+            for a, b in spans:
+                if a != pos or b <= a:
+                    raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n} once")
+                if code == GATE_UP and (a % 32 or (b % 32 and b != n)):
+                    raise CpuPlanError(f"GATE_UP tiles must start and end on groups of 32, got {a}..{b}")
+                pos = b
+            if pos != n:
+                raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n}")
+    heads = {(t[LAYER], t[T0], t[T1]) for t in table.tolist() if t[OP] == ATTN}
+    if len(heads) != s.num_layers * rows * s.heads:
+        raise CpuPlanError("attention tasks do not cover every (row, head) of every layer once")

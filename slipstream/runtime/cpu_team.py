@@ -1,0 +1,213 @@
+"""The CPU decode step as one native call: a persistent thread team runs the step's task table.
+
+`cpu_plan.py` lowers a decode step (one new token per row) into tile tasks linked by event counters;
+`kernels/cpu/step.c` runs them on a persistent team of threads (one per core, the caller included)
+with no fork/join barrier between operators. Two kinds of products:
+
+- fast (default): activations quantized per group of 32 to int8, integer dot products (AVX2
+  `maddubs`, AVX-512/AVX-VNNI `vpdpbusd`, NEON `sdot`), as llama.cpp does;
+- exact (`exact=True`, `--exact`): fp32 activations against the packed weights, the eager step's
+  maths up to summation order (greedy tokens identical to transformers on the default model).
+
+Prefill and anything unusual stay on the eager path (`LlamaModel.forward`), which is also the
+reference this runtime is tested against.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from slipstream.kernels.cpu import load_library
+from slipstream.runtime import cpu_plan
+from slipstream.weights.quant import Q8_0, Linear
+
+KIND_F32, KIND_Q4, KIND_Q8 = 0, 4, 8
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+_F = ctypes.c_float
+
+
+class SSMat(ctypes.Structure):
+    _fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
+                ("pad", _I)]
+
+
+class SSLayer(ctypes.Structure):
+    _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
+                ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P)]
+
+
+class SSModel(ctypes.Structure):
+    _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("ffn", _I), ("vocab", _I), ("pad", _I), ("eps", _F), ("attn_scale", _F),
+                ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P)]
+
+
+class SSAct(ctypes.Structure):
+    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P)]
+
+
+class SSStep(ctypes.Structure):
+    _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
+                ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
+                ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _field(layer: Any, name: str) -> Any:
+    """A layer's weight by name (typed layer objects, or the older string-keyed dicts)."""
+    return layer[name] if isinstance(layer, dict) else getattr(layer, name)
+
+
+def mat(w: Linear) -> SSMat:
+    """The kernel's view of a weight matrix (packed 4/8-bit codes, or dense float32)."""
+    if not w.packed:
+        if w.data.dtype != torch.float32 or not w.data.is_contiguous():
+            raise ValueError("dense weights must be contiguous float32 for the native runtime")
+        return SSMat(w.data.data_ptr(), None, None, _ptr(w.bias), KIND_F32, w.n, w.k, 0)
+    kind = KIND_Q8 if w.fmt == Q8_0 else KIND_Q4
+    return SSMat(w.data.data_ptr(), w.scale.data_ptr(), _ptr(w.min), _ptr(w.bias), kind, w.n, w.k, 0)
+
+
+def _bytes_per_weight(w: Linear) -> float:
+    return w.nbytes / (w.n * w.k)
+
+
+def default_threads() -> int:
+    """One thread per core this process may run on (SLIPSTREAM_THREADS overrides)."""
+    env = os.environ.get("SLIPSTREAM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class _Act:
+    """An activation's fp32 rows with the fast path's int8 codes, scales and sums."""
+    def __init__(self, rows: int, k: int):
+        self.f = torch.zeros(rows, k, dtype=torch.float32)
+        self.q = torch.zeros(rows, k, dtype=torch.int8)
+        self.d = torch.zeros(rows, max(1, k // 32), dtype=torch.float32)
+        self.s = torch.zeros(rows, max(1, k // 32), dtype=torch.float32)
+
+    def struct(self) -> SSAct:
+        return SSAct(self.f.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr())
+
+
+class _Static:
+    """Buffers and task tables for one row count (allocated once, reused every step)."""
+    def __init__(self, dec: CpuTeamDecoder, rows: int):
+        c = dec.model.cfg
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        f32 = dict(dtype=torch.float32)
+        self.rows = rows
+        self.x = torch.zeros(rows, c.hidden_size, **f32)
+        self.h = _Act(rows, c.hidden_size)
+        self.qkv = torch.zeros(rows, (H + 2 * KVH) * D, **f32)
+        self.attn = _Act(rows, H * D)
+        self.act = _Act(rows, c.intermediate_size)
+        self.logits = torch.zeros(rows, c.vocab_size, **f32)
+        self.next_tokens = torch.zeros(rows, dtype=torch.int64)
+        self.tables = {argmax: cpu_plan.build(dec.shape, rows, dec.threads, argmax) for argmax in (False, True)}
+        for t in self.tables.values():
+            cpu_plan.validate(t, dec.shape, rows)
+        self.events = np.zeros(max(cpu_plan.num_events(t) for t in self.tables.values()), dtype=np.int32)
+
+
+class CpuTeamDecoder:
+    """Decode steps (one new token per row) of a Llama-family model as one native call each."""
+
+    name = "native"
+    device_greedy = True   # picks greedy tokens itself (no logits copy) when asked to
+
+    def __init__(self, model: Any, kv: Any, exact: bool = False, threads: int | None = None):
+        why = self.unsupported(model)
+        if why is not None:
+            raise RuntimeError(why)
+        self.lib = load_library()
+        self.model = model
+        self.kv = kv
+        self.exact = bool(exact)
+        self.threads = self.lib.ss_team_configure(threads or default_threads(), -1, -1)
+        c = model.cfg
+        layers = model.layers
+        lm = model.lm_head
+        self.shape = cpu_plan.Shape(
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            c.vocab_size, {name: _bytes_per_weight(_field(layers[0], name)) for name in ("qkv", "o", "gate_up", "down")}
+            | {"lm_head": _bytes_per_weight(lm)})
+        # the C side keeps raw pointers: these objects keep what they point to alive
+        self._layers = (SSLayer * c.num_layers)(*[
+            SSLayer(mat(_field(L, "qkv")), mat(_field(L, "o")), mat(_field(L, "gate_up")), mat(_field(L, "down")),
+                    _ptr(_field(L, "attn_norm")), _ptr(_field(L, "ffn_norm")), _ptr(_field(L, "q_norm")),
+                    _ptr(_field(L, "k_norm")), kv.k[i].data_ptr(), kv.v[i].data_ptr())
+            for i, L in enumerate(layers)])
+        self._model = SSModel(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                              c.intermediate_size, c.vocab_size, 0, c.rms_norm_eps, c.head_dim ** -0.5,
+                              self._layers, mat(model.embed), mat(lm), model.norm.data_ptr())
+        self._static: dict[int, _Static] = {}
+
+    @classmethod
+    def unsupported(cls, model: Any) -> str | None:
+        """Why this runtime cannot run `model` here, or None."""
+        from slipstream.models.llama import LlamaModel
+        if not isinstance(model, LlamaModel):
+            return "the native runtime runs the Llama family (Llama, Mistral, Qwen2/3, SmolLM2)"
+        if load_library() is None:
+            return "the native CPU kernels are not available on this machine (no C compiler?)"
+        if model.device.type != "cpu":
+            return "the native runtime runs on the CPU"
+        c = model.cfg
+        if c.head_dim % 2 or c.num_heads % c.num_kv_heads:
+            return "the native runtime needs an even head size and whole query groups"
+        mats = [_field(L, k) for L in model.layers for k in ("qkv", "o", "gate_up", "down")]
+        mats += [model.lm_head, model.embed]
+        for m in mats:
+            if m.packed and m.k % 32:
+                return "packed weights need a multiple of 32 input features"
+            if not m.packed and (m.data.dtype != torch.float32 or m.data.device.type != "cpu"):
+                return "dense weights must be float32 on the CPU for the native runtime"
+        if c.intermediate_size % 32 or c.hidden_size % 32:
+            return "the native runtime needs hidden and FFN sizes that are multiples of 32"
+        return None
+
+    def _buffers(self, rows: int) -> _Static:
+        if rows not in self._static:
+            self._static[rows] = _Static(self, rows)
+        return self._static[rows]
+
+    @torch.inference_mode()
+    def forward(self, step: Any, tokens_only: bool = False) -> torch.Tensor:
+        """Logits (float32) of the step's `logits_rows`, one new token per row; with `tokens_only`
+        just their greedy tokens (int64; lowest index on ties, as torch's argmax)."""
+        B = int(step.token_ids.shape[0])
+        if len(step.seqs) != B or any(s.length != 1 for s in step.seqs):
+            raise ValueError("the native runtime decodes one token per row")
+        st = self._buffers(B)
+        m = self.model
+        tokens = step.token_ids.to(torch.int64).contiguous()
+        freqs = step.positions.to(torch.float32)[:, None] * m.inv_freq[None, :]
+        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        parts = [torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read for s in step.seqs]
+        slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64).contiguous()
+        starts = torch.zeros(B + 1, dtype=torch.int64)
+        starts[1:] = torch.tensor([s.context for s in step.seqs]).cumsum(0)
+        write = step.write_slots.to(torch.int64).contiguous()
+        args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
+                      cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), st.h.struct(), st.qkv.data_ptr(),
+                      st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr())
+        table = st.tables[tokens_only]
+        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
+                         st.events.ctypes.data, len(st.events), int(self.exact))
+        rows = step.logits_rows
+        out = st.next_tokens if tokens_only else st.logits
+        return out[rows].clone() if rows.numel() != B else out[:B].clone()

@@ -1,0 +1,96 @@
+"""The SIMD row kernels (kernels/cpu/simd.h) against their torch references, on whichever
+instruction set this library was built for (test_isa_builds.py reruns this file for the others)."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from slipstream.kernels.cpu import load_library
+from slipstream.kernels.cpu import reference as ref
+from slipstream.runtime.cpu_team import mat
+from slipstream.weights.quant import Q4_0, Q4_1, Q4_F32, Q8_0, Linear, concat_rows
+
+lib = load_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable")
+
+
+def _random_packed(fmt: int, n: int, k: int, seed: int) -> Linear:
+    """A packed matrix with random codes and scales (every code value, both signs of scale)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    scale = torch.randn(n, groups, generator=g) * 0.05
+    if fmt == Q8_0:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int64).to(torch.int8)
+        return Linear(n, k, q, fmt, scale.contiguous())
+    codes = torch.randint(0, 16, (n, groups, 32), generator=g, dtype=torch.int64)
+    packed = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8).reshape(n, k // 2)
+    mn = torch.randn(n, groups, generator=g) * 0.1 if fmt != Q4_0 else -8 * scale
+    return Linear(n, k, packed.contiguous(), fmt, scale.contiguous(), mn.contiguous())
+
+
+def _parts(w: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if w.fmt == Q8_0:
+        return w.data.to(torch.float32), w.scale, None
+    p = w.data.view(w.n, w.k // 32, 16)
+    codes = torch.cat([p & 15, p >> 4], dim=-1).to(torch.float32).reshape(w.n, w.k)
+    return codes, w.scale, w.min
+
+
+def _matmul(w: Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.n)
+    m = mat(w)
+    lib.ss_matmul(ctypes.byref(m), x.shape[0], x.contiguous().data_ptr(), y.data_ptr(), int(exact))
+    return y
+
+
+def test_isa_is_vectorised_where_the_cpu_has_vectors():
+    isa = lib.ss_isa().decode()
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    march = __import__("os").environ.get("SLIPSTREAM_MARCH", "native")
+    if march == "native" and " avx2 " in flags and " fma " in flags:
+        assert isa.startswith("avx"), isa
+
+
+@pytest.mark.parametrize("rows,k", [(1, 32), (3, 576), (8, 1536), (2, 96)])
+def test_quantize_matches_reference(rows: int, k: int):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=g) * 4
+    x[0, :32] = 0    # an all-zero group: d = 0, codes 0
+    x[-1, 5] = 1e-30
+    q, d, s = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows, k // 32), torch.empty(rows, k // 32)
+    lib.ss_quantize(x.data_ptr(), rows, k, q.data_ptr(), d.data_ptr(), s.data_ptr())
+    rq, rd, rs = ref.quantize_q8(x)
+    assert torch.equal(q, rq)
+    assert torch.equal(d, rd)
+    torch.testing.assert_close(s, rs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_fast_product_matches_reference(fmt: int, rows: int):
+    w = _random_packed(fmt, 40, 320, seed=fmt * 10 + rows)
+    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows)) * 2
+    got = _matmul(w, x, exact=False)
+    want = ref.product_q8(_parts(w), x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0, None])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9])
+def test_exact_product_matches_dequantized_matmul(fmt: int | None, rows: int):
+    w = _random_packed(fmt, 24, 256, seed=rows) if fmt is not None else \
+        Linear.dense(torch.randn(24, 200, generator=torch.Generator().manual_seed(rows)))
+    x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(100 + rows))
+    got = _matmul(w, x, exact=True)
+    want = (x.double() @ w.dequantize().double().T).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_fast_product_error_is_small_against_exact():
+    """Quantizing activations to 8 bits costs well under 1% of the product's size."""
+    w = concat_rows([_random_packed(Q4_1, 64, 576, seed=1), _random_packed(Q4_1, 64, 576, seed=2)])
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(3))
+    exact, fast = _matmul(w, x, exact=True), _matmul(w, x, exact=False)
+    assert ((fast - exact).norm() / exact.norm()).item() < 0.01

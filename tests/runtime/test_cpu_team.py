@@ -1,0 +1,189 @@
+"""The CPU step as one native call (runtime/cpu_team.py) against the eager torch step.
+
+The exact path (fp32 activations) must match eager within float32 summation noise and give the same
+greedy tokens; the fast path (int8 activations) must stay close; neither may depend on the number
+of threads in the team or on what else shares the step."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from slipstream.kernels.cpu import load_library
+from slipstream.kv.blocks import SequenceKV
+from slipstream.models.llama import LlamaModel
+from slipstream.models.random_init import random_llama, shape_config
+from slipstream.runtime import cpu_plan
+from slipstream.runtime.cpu_team import CpuTeamDecoder
+from slipstream.step import StepBuilder
+from slipstream.weights.quant import Q4_F32, Q8_0, Linear
+from support import decode_step, prefill_step, skip_unless_default_model
+
+pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LlamaModel:
+    skip_unless_default_model()
+    from slipstream.weights import load_model
+    m = load_model(None)
+    return LlamaModel(m.config, m.weights)
+
+
+def _quantize(w: Linear, bits: int) -> Linear:
+    """Packs a dense matrix per group of 32 (8-bit symmetric or 4-bit with a min), for tests."""
+    x = w.data.view(w.n, w.k // 32, 32)
+    if bits == 8:
+        d = x.abs().amax(-1) / 127
+        q = torch.round(x / d.clamp_min(1e-12)[..., None]).clamp(-127, 127).to(torch.int8)
+        return Linear(w.n, w.k, q.reshape(w.n, w.k).contiguous(), Q8_0, d.contiguous(), bias=w.bias)
+    lo, hi = x.amin(-1), x.amax(-1)
+    d = (hi - lo) / 15
+    q = torch.round((x - lo[..., None]) / d.clamp_min(1e-12)[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = (q[..., :16] | (q[..., 16:] << 4)).reshape(w.n, w.k // 2).contiguous()
+    return Linear(w.n, w.k, packed, Q4_F32, d.contiguous(), lo.contiguous(), bias=w.bias)
+
+
+def _packed_random(qwen: str | None = None, head_dim: int = 32) -> LlamaModel:
+    cfg = shape_config("tiny", hidden_size=128, head_dim=head_dim, intermediate_size=256, num_layers=2)
+    m = random_llama(cfg, seed=7)
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for L in m.layers:
+        qkv = L.qkv
+        if qwen == "qwen2":
+            qkv = Linear(qkv.n, qkv.k, qkv.data, bias=torch.randn(qkv.n, generator=g) * 0.1)
+        layers.append(dataclasses.replace(
+            L, qkv=_quantize(qkv, 4), o=_quantize(L.o, 8), gate_up=_quantize(L.gate_up, 4), down=_quantize(L.down, 4),
+            q_norm=1 + 0.1 * torch.randn(head_dim, generator=g) if qwen == "qwen3" else None,
+            k_norm=1 + 0.1 * torch.randn(head_dim, generator=g) if qwen == "qwen3" else None))
+    m.layers = layers
+    m.embed = m.lm_head = _quantize(m.embed, 8)
+    return m
+
+
+def _run(model: LlamaModel, prompts: list[list[int]], steps: int, exact: bool, threads: int | None = None):
+    """Prefill both caches eagerly, then decode `steps` steps with eager and with the team, each fed
+    eager's greedy tokens; yields (eager logits, team logits) per step."""
+    kv_e, kv_t = model.new_kv_cache(64), model.new_kv_cache(64)
+    team = CpuTeamDecoder(model, kv_t, exact=exact, threads=threads)
+    seqs_e, seqs_t = [SequenceKV(kv_e) for _ in prompts], [SequenceKV(kv_t) for _ in prompts]
+    tokens = []
+    for p, se, st in zip(prompts, seqs_e, seqs_t):
+        tokens.append(int(model.forward(prefill_step(se, p, extra=steps + 2), kv_e).argmax()))
+        model.forward(prefill_step(st, p, extra=steps + 2), kv_t)
+    positions = [len(p) for p in prompts]
+    out = []
+    for _ in range(steps):
+        le = model.forward(decode_step(seqs_e, tokens, positions), kv_e)
+        lt = team.forward(decode_step(seqs_t, tokens, positions))
+        out.append((le, lt))
+        tokens = le.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    return out
+
+
+PROMPTS = [[[1, 504, 3458, 282, 4649]], [[1, 22, 333], [5, 6, 7, 8, 9, 10, 11], [42]]]
+
+
+@pytest.mark.parametrize("prompts", PROMPTS)
+def test_exact_matches_eager_on_smollm2(smollm2, prompts):
+    for le, lt in _run(smollm2, prompts, 5, exact=True):
+        assert (le - lt).abs().max().item() < 1e-3      # logits are ~20 in size
+        assert le.argmax(-1).tolist() == lt.argmax(-1).tolist()
+
+
+def test_fast_stays_close_to_eager_on_smollm2(smollm2):
+    rel, agree, total = [], 0, 0
+    for le, lt in _run(smollm2, PROMPTS[1], 6, exact=False):
+        rel.append(((lt - le).norm() / le.norm()).item())
+        agree += (le.argmax(-1) == lt.argmax(-1)).sum().item()
+        total += le.shape[0]
+    assert max(rel) < 0.03, rel
+    assert agree >= total - 2, (agree, total)
+
+
+@pytest.mark.parametrize("qwen", [None, "qwen2", "qwen3"])
+@pytest.mark.parametrize("head_dim", [32, 48])
+def test_exact_matches_eager_on_packed_random_models(qwen, head_dim):
+    """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), and a head size that is not a multiple of 32
+    (its attention output is quantized by a separate task)."""
+    model = _packed_random(qwen, head_dim)
+    for le, lt in _run(model, [[1, 2, 3], [9, 8, 7, 6, 5, 4]], 4, exact=True):
+        torch.testing.assert_close(lt, le, rtol=1e-4, atol=1e-4)
+    for le, lt in _run(model, [[1, 2, 3]], 3, exact=False):
+        assert ((lt - le).norm() / le.norm()).item() < 0.05
+
+
+def test_results_do_not_depend_on_thread_count(smollm2):
+    """Each output element is computed by one task in a fixed order: bitwise the same with 1 and 2
+    threads (the team is resized in between)."""
+    one = _run(smollm2, PROMPTS[1], 3, exact=True, threads=1)
+    three = _run(smollm2, PROMPTS[1], 3, exact=True, threads=2)
+    for (_, a), (_, b) in zip(one, three):
+        assert torch.equal(a, b)
+    fast1 = _run(smollm2, PROMPTS[0], 2, exact=False, threads=1)
+    fast2 = _run(smollm2, PROMPTS[0], 2, exact=False, threads=2)
+    for (_, a), (_, b) in zip(fast1, fast2):
+        assert torch.equal(a, b)
+
+
+def test_tokens_only_is_the_argmax_of_the_logits(smollm2):
+    kv = smollm2.new_kv_cache(64)
+    team = CpuTeamDecoder(smollm2, kv)
+    seqs = [SequenceKV(kv) for _ in range(3)]
+    for s, p in zip(seqs, [[1, 2], [3, 4, 5], [6]]):
+        smollm2.forward(prefill_step(s, p), kv)
+    step = decode_step(seqs, [10, 11, 12], [2, 3, 1])
+    logits = team.forward(step)
+    tokens = team.forward(step, tokens_only=True)   # same step again: same KV writes, same maths
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_verification_rows_of_one_sequence(smollm2):
+    """Speculative verification: a sequence's last token and its guesses as separate rows, each row
+    attending to the rows before it (written to the cache in the same step)."""
+    kv_e, kv_t = smollm2.new_kv_cache(64), smollm2.new_kv_cache(64)
+    team = CpuTeamDecoder(smollm2, kv_t, exact=True)
+    se, st = SequenceKV(kv_e), SequenceKV(kv_t)
+    prompt = [1, 504, 3458, 282]
+    smollm2.forward(prefill_step(se, prompt), kv_e)
+    smollm2.forward(prefill_step(st, prompt), kv_t)
+    steps = []
+    for seq in (se, st):
+        b = StepBuilder()
+        b.add(seq, [4649, 30, 31, 32], start=len(prompt), as_rows=True, logits="all")
+        steps.append(b.build())
+    le = smollm2.forward(steps[0], kv_e)
+    lt = team.forward(steps[1])
+    assert lt.shape == le.shape == (4, smollm2.cfg.vocab_size)
+    assert (le - lt).abs().max().item() < 1e-3
+
+
+def test_plan_validator_rejects_broken_tables():
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    table = cpu_plan.build(shape, rows=2, threads=2, argmax=True)
+    cpu_plan.validate(table, shape, 2)
+    late = table.copy()
+    late[5, cpu_plan.WAIT_EV] = late[-1, cpu_plan.SIG_EV]     # waits on the last task's event
+    late[5, cpu_plan.WAIT_COUNT] = 2
+    with pytest.raises(cpu_plan.CpuPlanError, match="after it"):
+        cpu_plan.validate(late, shape, 2)
+    short = table.copy()
+    short[-1, cpu_plan.WAIT_COUNT] += 1
+    with pytest.raises(cpu_plan.CpuPlanError, match="signals"):
+        cpu_plan.validate(short, shape, 2)
+    gap = np.delete(table, np.where(table[:, cpu_plan.OP] == cpu_plan.DOWN)[0][:1], axis=0)
+    with pytest.raises(cpu_plan.CpuPlanError):
+        cpu_plan.validate(gap, shape, 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_plans_validate_for_many_shapes(threads):
+    for rows in (1, 3, 8, 17):
+        shape = cpu_plan.Shape(3, 576, 9, 3, 64, 1536, 49152,
+                               dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.75))
+        cpu_plan.validate(cpu_plan.build(shape, rows, threads, argmax=rows % 2 == 1), shape, rows)
