@@ -1,0 +1,81 @@
+// Checks simd.h's row kernels against plain double-precision loops, for a cross-compiled build that
+// runs under qemu-user (tests/kernels/test_isa_builds.py). Prints the ISA and "ok", or the first
+// mismatch; exit status 0 only when every check passes.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../../slipstream/kernels/cpu/simd.h"
+
+static unsigned rng = 12345;
+static float frand(void) { rng = rng * 1103515245u + 12345u; return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f; }
+static int irand(int lo, int hi) { rng = rng * 1103515245u + 12345u; return lo + (int)((rng >> 8) % (unsigned)(hi - lo + 1)); }
+
+static int close_to(double got, double want, double tol, const char *what, int i) {
+    if (fabs(got - want) <= tol * (1.0 + fabs(want))) return 1;
+    printf("mismatch %s[%d]: got %.9g want %.9g\n", what, i, got, want);
+    return 0;
+}
+
+int main(void) {
+    enum { N = 5, K = 192, G = K / 32, R = 3 };
+    static uint8_t w4[N][K / 2];
+    static int8_t w8[N][K], xq[R][K];
+    static float sc[N][G], mn[N][G], x[R][K], xd[R][G], xs[R][G], xsum[R][G], out[MAX_ROWS];
+    int ok = 1;
+    for (int n = 0; n < N; n++) {
+        for (int i = 0; i < K / 2; i++) w4[n][i] = (uint8_t)irand(0, 255);
+        for (int i = 0; i < K; i++) w8[n][i] = (int8_t)irand(-127, 127);
+        for (int g = 0; g < G; g++) { sc[n][g] = frand() * 0.1f; mn[n][g] = frand() * 0.2f; }
+    }
+    for (int r = 0; r < R; r++) for (int i = 0; i < K; i++) x[r][i] = frand() * 3.0f;
+    for (int r = 0; r < R; r++) {
+        ss_quantize_row(x[r], K, xq[r], xd[r], xs[r]);
+        ss_group_sums(x[r], K, xsum[r]);
+        for (int g = 0; g < G; g++) {   // the quantization itself, against its definition
+            float amax = 0.f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[r][g * 32 + j]));
+            const float id = amax > 0 ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                const int q = (int)nearbyintf(x[r][g * 32 + j] * id);
+                sum += q;
+                if (q != xq[r][g * 32 + j]) { printf("mismatch quantize r%d g%d j%d\n", r, g, j); ok = 0; }
+            }
+            ok &= close_to(xs[r][g], (amax / 127.f) * sum, 1e-6, "xs", g);
+        }
+    }
+    for (int n = 0; n < N; n++) {
+        // fp32-activation references: w = scale * q + min over the 4-bit codes, scale * q for 8-bit
+        double want4[R] = {0}, want8[R] = {0}, wantq4[R] = {0}, wantq8[R] = {0};
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g++) {
+                long s4 = 0, s8 = 0, sq = 0;
+                for (int j = 0; j < 32; j++) {
+                    const uint8_t b = w4[n][g * 16 + (j & 15)];
+                    const int q4 = j < 16 ? (b & 15) : (b >> 4);
+                    want4[r] += ((double)sc[n][g] * q4 + mn[n][g]) * x[r][g * 32 + j];
+                    want8[r] += (double)sc[n][g] * w8[n][g * 32 + j] * x[r][g * 32 + j];
+                    s4 += q4 * xq[r][g * 32 + j];
+                    s8 += w8[n][g * 32 + j] * xq[r][g * 32 + j];
+                    sq += xq[r][g * 32 + j];
+                }
+                wantq4[r] += (double)sc[n][g] * xd[r][g] * s4 + (double)mn[n][g] * xd[r][g] * sq;
+                wantq8[r] += (double)sc[n][g] * xd[r][g] * s8;
+            }
+        q4f_row(w4[n], sc[n], mn[n], G, x[0], K, xsum[0], R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r], want4[r], 1e-4, "q4f", r);
+        q8f_row(w8[n], sc[n], G, x[0], K, R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8f", r);
+        q4q8_row(w4[n], sc[n], mn[n], G, xq[0], xd[0], xs[0], R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r], wantq4[r], 1e-4, "q4q8", r);
+        q8q8_row(w8[n], sc[n], G, xq[0], xd[0], R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r], wantq8[r], 1e-4, "q8q8", r);
+    }
+    float o[K], dd = 0;
+    for (int i = 0; i < K; i++) { o[i] = x[1][i]; dd += x[0][i] * x[2][i]; }
+    ok &= close_to(ss_dot(x[0], x[2], K), dd, 1e-4, "dot", 0);
+    ss_axpy(o, 0.5f, x[2], K);
+    for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
+    printf("%s %s\n", ss_isa_name(), ok ? "ok" : "FAILED");
+    return ok ? 0 : 1;
+}
