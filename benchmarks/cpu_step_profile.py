@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from slipstream.kv.blocks import SequenceKV
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import prefill_step
 
 
 def median_ms(fn: Callable[[], object], steps: int) -> float:
@@ -47,22 +47,21 @@ def main() -> None:
     pos = args.context
 
     def step() -> torch.Tensor:
-        s = StepInput(torch.tensor([5]), torch.tensor([pos]), seq.slots(pos, pos + 1),
-                      [SeqSlice(0, 1, pos + 1, seq.contiguous_range(pos + 1))], torch.tensor([0]))
+        s = prefill_step(seq, [5], pos)
         return rt.forward(s)
 
     lib = rt.lib
     hid, F = model.cfg.hidden_size, model.cfg.intermediate_size
     x, xf = torch.randn(1, hid), torch.randn(1, F)
     scratch = torch.empty(F // 32 + 1)
-    outs = {k: torch.empty(1, model.layers[0][k].n) for k in ("qkv", "o", "gate_up", "down")}
+    outs = {k: torch.empty(1, getattr(model.layers[0], k).n) for k in ("qkv", "o", "gate_up", "down")}
     logits = torch.empty(1, model.lm_head.n)
 
     def layer_products() -> None:
         for L in model.layers:
             for k in ("qkv", "o", "gate_up", "down"):
                 src = xf if k == "down" else x
-                L[k].native(lib, src.data_ptr(), 1, outs[k].data_ptr(), False, scratch.data_ptr())
+                getattr(L, k).native(lib, src.data_ptr(), 1, outs[k].data_ptr(), False, scratch.data_ptr())
 
     def lm_head() -> None:
         model.lm_head.native(lib, x.data_ptr(), 1, logits.data_ptr(), False, scratch.data_ptr())
@@ -75,7 +74,7 @@ def main() -> None:
     rest = median_ms(step, args.steps)
     rt._matvec = real
 
-    layer_bytes = sum(L[k].nbytes for L in model.layers for k in ("qkv", "o", "gate_up", "down"))
+    layer_bytes = sum(m.nbytes for L in model.layers for m in L.linears())
     print(f"model {llm.model_name}, context {args.context}, {torch.get_num_threads()} threads")
     print(f"{'part':34s} {'ms':>7s} {'share':>6s}")
     for name, ms in [("whole decode step", whole), ("layer products (packed matvec)", prods),

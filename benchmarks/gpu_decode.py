@@ -127,7 +127,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from slipstream.models.llama import LlamaModel  # noqa: E402
+from slipstream.step import ContiguousSlots, StepBuilder, decode_step  # noqa: E402
+from slipstream.weights.layers import LlamaLayer  # noqa: E402
 from slipstream.models.random_init import shape_config  # noqa: E402
 from slipstream.weights.quant import Linear  # noqa: E402
 
@@ -258,12 +260,12 @@ def build_models(shape: str, dtype: torch.dtype, device: torch.device, seed: int
         a, m = layer.self_attn, layer.mlp
         qkv = torch.cat([W(a.q_proj.weight), W(a.k_proj.weight), W(a.v_proj.weight)]).contiguous()
         gu = torch.cat([W(m.gate_proj.weight), W(m.up_proj.weight)]).contiguous()
-        weights[f"layers.{i}"] = {
-            "attn_norm": W(layer.input_layernorm.weight).float(),
-            "ffn_norm": W(layer.post_attention_layernorm.weight).float(),
-            "qkv": Linear(qkv.shape[0], Hd, qkv), "o": Linear(Hd, a.o_proj.weight.shape[1], W(a.o_proj.weight)),
-            "gate_up": Linear(gu.shape[0], Hd, gu),
-            "down": Linear(Hd, m.down_proj.weight.shape[1], W(m.down_proj.weight))}
+        weights[f"layers.{i}"] = LlamaLayer(
+            attn_norm=W(layer.input_layernorm.weight).float(),
+            ffn_norm=W(layer.post_attention_layernorm.weight).float(),
+            qkv=Linear(qkv.shape[0], Hd, qkv), o=Linear(Hd, a.o_proj.weight.shape[1], W(a.o_proj.weight)),
+            gate_up=Linear(gu.shape[0], Hd, gu),
+            down=Linear(Hd, m.down_proj.weight.shape[1], W(m.down_proj.weight)))
     model = LlamaModel(cfg, weights)
     model.device = device
     model.kv_dtype = dtype
@@ -291,7 +293,7 @@ def step_bytes(model: LlamaModel, batch: int, context: int) -> dict[str, int]:
 
     weights = 0
     for L in model.layers:
-        weights += sum(nb(L[k]) for k in ("attn_norm", "ffn_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm"))
+        weights += sum(nb(getattr(L, k)) for k in L.LINEARS + L.VECTORS)
     weights += nb(model.norm) + nb(model.lm_head)
     embed = 0 if model.embed is model.lm_head else model.embed.nbytes // model.embed.n * batch
     kv = batch * context * model.kv_bytes_per_token()
@@ -317,25 +319,19 @@ class EagerPath:
     def __init__(self, model: LlamaModel, kv, layout: Layout, B: int, t0: torch.Tensor):
         self.model, self.kv, self.L, self.B, self.t0 = model, kv, layout, B, t0
         dev = model.device
-        self.bases = torch.tensor([layout.base(b) for b in range(B)], device=dev)
-        self.rows = torch.arange(B, device=dev)
+        self.dev = dev
 
     def reset(self) -> None:
-        c = self.L.context
-        self.p = c
+        c, L = self.L.context, self.L
         self.tok = self.t0[:self.B].clone()
-        self.pos = torch.full((self.B,), c, dtype=torch.int64, device=self.model.device)
-        self.slots = self.bases + c
+        self.cur = decode_step([ContiguousSlots(L.base(b)) for b in range(self.B)], self.tok.tolist(),
+                               [c] * self.B).to(self.dev)
         self._logits = None
 
     def step(self) -> None:
-        p, L = self.p, self.L
-        seqs = [SeqSlice(b, 1, p + 1, (L.base(b), L.base(b) + p + 1)) for b in range(self.B)]
-        logits = self.model.forward(StepInput(self.tok, self.pos, self.slots, seqs, self.rows), self.kv)
+        logits = self.model.forward(self.cur, self.kv)
         self.tok = logits.argmax(-1)
-        self.pos = self.pos + 1
-        self.slots = self.slots + 1
-        self.p = p + 1
+        self.cur = self.cur.next_decode(self.tok)    # on the device: no host sync between steps
         self._logits = logits
 
     def last_tokens(self) -> torch.Tensor:
@@ -343,6 +339,17 @@ class EagerPath:
 
     def logits(self) -> torch.Tensor | None:
         return self._logits
+
+
+class _Reserved(ContiguousSlots):
+    """A sequence's whole reserved slot range as its read: `fill` builds the block table from it."""
+
+    def __init__(self, base: int, size: int):
+        super().__init__(base)
+        self.size = size
+
+    def read_slots(self, end: int) -> tuple[int, int]:
+        return (self.base, self.base + self.size)
 
 
 class StaticPath:
@@ -355,10 +362,7 @@ class StaticPath:
         # each sequence's read range is its whole reserved slot range: `fill` builds the block table
         # from it (so the table already holds the blocks the context grows into on the device) and
         # takes the attention length from `context` (c + 1)
-        self.step0 = StepInput(t0[:B].cpu(), torch.full((B,), c, dtype=torch.int64),
-                               torch.tensor([L.base(b) + c for b in range(B)]),
-                               [SeqSlice(b, 1, c + 1, (L.base(b), L.base(b) + L.per_seq)) for b in range(B)],
-                               torch.arange(B))
+        self.step0 = decode_step([_Reserved(L.base(b), L.per_seq) for b in range(B)], t0[:B].tolist(), [c] * B)
         s = self.s
         self.v_tok, self.v_next = s.tokens[:B], s.next_tokens[:B]
         self.v_pos, self.v_slots, self.v_ctx = s.positions[:B], s.slots[:B], s.context[:B]
@@ -624,11 +628,10 @@ class Bench:
     def prefill(self, model: LlamaModel, kv, L: Layout, prompts: torch.Tensor) -> torch.Tensor:
         """All max_batch prompts in one eager step; returns each sequence's first decode token."""
         n, c = prompts.shape
-        slots = torch.cat([torch.arange(L.base(b), L.base(b) + c) for b in range(n)])
-        seqs = [SeqSlice(b * c, c, c, (L.base(b), L.base(b) + c)) for b in range(n)]
-        step = StepInput(prompts.reshape(-1), torch.arange(c).repeat(n), slots, seqs,
-                         torch.tensor([b * c + c - 1 for b in range(n)]))
-        logits = model.forward(step, kv)
+        b = StepBuilder()
+        for i in range(n):
+            b.add(ContiguousSlots(L.base(i)), prompts[i].tolist(), 0)
+        logits = model.forward(b.build(), kv)
         return logits.argmax(-1).to(model.device)
 
     def clone_kv(self, st: dict):

@@ -40,6 +40,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: ngram (prompt lookup), mtp (the model's own MTP layers) or draft:MODEL (a smaller model with the same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="guesses verified per step with --speculative (default 4)")
+    p.add_argument("--exact", action="store_true",
+                   help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,17 +105,40 @@ def _params(args: argparse.Namespace):
         raise SlipstreamError(str(e)) from None
 
 
-def _load(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace):
+    """The engine configuration the flags ask for, validated, and the model argument checked, before
+    anything imports torch (a typo is reported at once)."""
+    from slipstream.engine.config import EngineConfig
+    from slipstream.weights import resolve_model
+
+    resolve_model(args.model)
+    opts = {k: getattr(args, k) for k in ("max_batch", "max_waiting", "prefill_chunk", "kv_cache_tokens")
+            if hasattr(args, k)}
+    return EngineConfig(max_model_len=args.max_model_len, runtime=args.runtime, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens, exact=args.exact, **opts)
+
+
+def _progress(msg: str) -> None:
+    """Loading stages on one terminal line, overwritten as they go (nothing when stderr is not a terminal)."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[Kloading: {msg} ..." if msg else "\r\033[K")
+        sys.stderr.flush()
+
+
+def _load(args: argparse.Namespace, config=None):
     from slipstream.api import LLM
 
-    return LLM(args.model, max_model_len=args.max_model_len, runtime=args.runtime,
-               speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    try:
+        return LLM(args.model, config=config or _engine_config(args), progress=_progress)
+    finally:
+        _progress("")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    config = _engine_config(args)
     params = _params(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = _load(args)
+    llm = _load(args, config)
     if args.chat:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         msgs.append({"role": "user", "content": prompt})
@@ -146,9 +171,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    config = _engine_config(args)
     params = _params(args)
     t0 = time.perf_counter()
-    llm = _load(args)
+    llm = _load(args, config)
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime). "
           f"Type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -197,8 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("max_batch", "max_waiting", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise SlipstreamError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
-        raise SlipstreamError(f"--kv-cache-tokens must be >= 1, got {args.kv_cache_tokens}")
+    config = _engine_config(args)
     if args.drain_timeout is not None and args.drain_timeout < 0:
         raise SlipstreamError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     try:   # fail before loading the model if the address is taken
@@ -219,11 +244,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     from slipstream.server.async_engine import build_off_main_thread
 
-    llm = build_off_main_thread(lambda: LLM(
-        args.model, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens,
-        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, runtime=args.runtime,
-        max_waiting=args.max_waiting, speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens))
+    try:
+        llm = build_off_main_thread(lambda: LLM(args.model, config=config, progress=_progress))
+    finally:
+        _progress("")
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
           f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
@@ -233,7 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from slipstream.weights.artifact import compile_model
+    from slipstream.compiler import compile_model
 
     m = compile_model(args.model, args.out, plan_context=args.plan_context, tune=args.tune)
     print(f"compiled {m['name']} ({m['config']['architecture']}, {m['config']['num_layers']} layers) into "

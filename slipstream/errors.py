@@ -15,3 +15,7 @@ class PromptTooLongError(SlipstreamError):
 
 class QueueFullError(SlipstreamError):
     """The engine's waiting queue is full: the caller should retry later (HTTP 503)."""
+
+
+class ConfigError(SlipstreamError, ValueError):
+    """An invalid engine or server setting (one type wherever a setting is checked)."""

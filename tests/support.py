@@ -18,31 +18,25 @@ def skip_unless_default_model() -> None:
 
 def prefill_step(seq, prompt: list[int], extra: int = 16):
     """A whole prompt as one step into `seq` (a `SequenceKV`, reserved for `extra` more tokens),
-    asking for the last position's logits."""
-    import torch
+    asking for the last position's logits; attention reads gathered slot ids."""
+    from slipstream.step import prefill_step as build
 
-    from slipstream.models.llama import SeqSlice, StepInput
-
-    n = len(prompt)
-    seq.reserve(n + extra)
-    return StepInput(torch.tensor(prompt), torch.arange(n), seq.slots(0, n), [SeqSlice(0, n, n, seq.slots(0, n))],
-                     torch.tensor([n - 1]))
+    seq.reserve(len(prompt) + extra)
+    return build(seq, prompt, gather=True)
 
 
 def decode_step(seqs: list, tokens: list[int], positions: list[int]):
     """One decode step: token i of sequence i at position i, attending over its gathered slots."""
-    import torch
+    from slipstream.step import decode_step as build
 
-    from slipstream.models.llama import SeqSlice, StepInput
-
-    slots = torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)])
-    sl = [SeqSlice(i, 1, p + 1, s.slots(0, p + 1)) for i, (s, p) in enumerate(zip(seqs, positions))]
-    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
+    return build(seqs, tokens, positions, gather=True)
 
 
 def engine(llm, **kw):
-    """A fresh `Engine` over an `LLM`'s model and tokenizer (2048 KV tokens unless given)."""
+    """A fresh `Engine` over an `LLM`'s model and tokenizer, configured by `kw` (`EngineConfig`'s
+    fields; 2048 KV tokens unless given)."""
+    from slipstream.engine.config import EngineConfig
     from slipstream.engine.engine import Engine
 
     kw.setdefault("kv_cache_tokens", 2048)
-    return Engine(llm.model, llm.tokenizer, **kw)
+    return Engine(llm.model, llm.tokenizer, EngineConfig(**kw))

@@ -12,7 +12,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.blocks import SequenceKV
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import prefill_step
 
 GREEDY = dict(temperature=0)
 PROMPTS = ["The capital of France is", "def quicksort(arr):"]
@@ -252,9 +252,7 @@ def test_logprobs(llm):
     kv = llm.model.new_kv_cache(-(-n // 16))
     seq = SequenceKV(kv)
     seq.reserve(n)
-    step = StepInput(torch.tensor(ids), torch.arange(n), seq.slots(0, n),
-                     [SeqSlice(0, n, n, seq.contiguous_range(n))], torch.tensor([n - 1]))
-    logits = llm.model.forward(step, kv)
+    logits = llm.model.forward(prefill_step(seq, ids), kv)
     logp = torch.log_softmax(logits[0].float(), -1)
     assert out.logprobs[0].logprob == pytest.approx(logp[out.token_ids[0]].item(), abs=1e-4)
     for t, v in out.logprobs[0].top:

@@ -32,7 +32,7 @@ from slipstream import LLM, SamplingParams  # noqa: E402
 from slipstream.errors import ModelLoadError  # noqa: E402
 from slipstream.kernels.cpu import load_library  # noqa: E402
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import SeqSlice, StepInput  # noqa: E402
+from slipstream.step import decode_step, prefill_step  # noqa: E402
 from slipstream.weights import default_model_path  # noqa: E402
 
 MAX_TOKENS = 64
@@ -204,12 +204,9 @@ def prefilled(llm, prompts):
     seqs, logits = {}, {}
     for name in NAMES:
         ids = prompts[name]
-        n = len(ids)
         seq = SequenceKV(kv)
-        seq.reserve(n + MAX_TOKENS)
-        step = StepInput(torch.tensor(ids), torch.arange(n), seq.slots(0, n),
-                         [SeqSlice(0, n, n, seq.contiguous_range(n))], torch.arange(n))
-        seqs[name], logits[name] = seq, model.forward(step, kv)
+        seq.reserve(len(ids) + MAX_TOKENS)
+        seqs[name], logits[name] = seq, model.forward(prefill_step(seq, ids, logits="all"), kv)
     return kv, seqs, logits
 
 
@@ -243,12 +240,7 @@ def test_native_decode_logits_match_transformers(llm, prompts, greedy, prefilled
     for t in range(DECODE_STEPS):
         positions = [len(p) + t for p in ids]
         batch = [seqs[n] for n in NAMES]
-        step = StepInput(
-            torch.tensor([g[t] for g in gens]), torch.tensor(positions),
-            torch.cat([s.slots(pos, pos + 1) for s, pos in zip(batch, positions)]),
-            [SeqSlice(i, 1, pos + 1, s.contiguous_range(pos + 1)) for i, (s, pos) in
-             enumerate(zip(batch, positions))],
-            torch.arange(len(NAMES)))
+        step = decode_step(batch, [g[t] for g in gens], positions)
         out = native.forward(step)
         assert out.shape == (len(NAMES), llm.model.cfg.vocab_size)
         for i in range(len(NAMES)):

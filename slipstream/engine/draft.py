@@ -8,12 +8,10 @@ length is cut back to what the target kept, so rejected guesses are simply overw
 """
 from __future__ import annotations
 
-import torch
-
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import _draw, sampling_distribution
+from slipstream.engine.sampling import draw, sampling_distribution
 from slipstream.kv.blocks import OutOfBlocks, SequenceKV
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import StepBuilder, prefill_step
 from slipstream.weights.quant import matvec_only
 
 PREFILL_CHUNK = 512
@@ -23,12 +21,12 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model, k: int, kv_tokens: int = 16384, block_size: int = 16):
-        from slipstream.runtime.cpu_native import NativeDecoder
+        from slipstream.runtime.registry import build_decoder, unsupported
 
         self.model = model
         self.k = k
         self.kv = model.new_kv_cache(-(-kv_tokens // block_size), block_size)
-        self.runtime = NativeDecoder(model, self.kv) if NativeDecoder.supports(model) else None
+        self.runtime = build_decoder("native" if unsupported("native", model) is None else "eager", model, self.kv)
         self.seqs: dict[str, SequenceKV] = {}
 
     def _catch_up(self, r: Request, seq: SequenceKV) -> None:
@@ -38,8 +36,7 @@ class DraftModelProposer:
             start = seq.num_tokens
             end = min(target, start + PREFILL_CHUNK)
             seq.reserve(end)
-            step = StepInput(torch.tensor(ids[start:end]), torch.arange(start, end), seq.slots(start, end),
-                             [SeqSlice(0, end - start, end, seq.read_slots(end))], torch.tensor([end - start - 1]))
+            step = prefill_step(seq, ids[start:end], start)
             self.model.forward(step, self.kv)
             seq.num_tokens = end
 
@@ -60,25 +57,20 @@ class DraftModelProposer:
         last = {i: r.output_ids[-1] for i, r, _, _ in active}
         for j in range(max((k for _, _, k, _ in active), default=0)):
             rows = [(i, r, seq) for i, r, k, seq in active if k > j]
-            tokens, positions, slots, seqs = [], [], [], []
-            for row, (i, r, seq) in enumerate(rows):
-                pos = r.num_tokens - 1 + j
-                tokens.append(last[i])
-                positions.append(pos)
-                slots.append(seq.slots(pos, pos + 1))
-                seqs.append(SeqSlice(row, 1, pos + 1, seq.read_slots(pos + 1)))
-            step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
-                             torch.arange(len(rows)))
+            b = StepBuilder()
+            for i, r, seq in rows:
+                b.add(seq, [last[i]], r.num_tokens - 1 + j)
+            step = b.build()
             with matvec_only():
-                logits = self.runtime.forward(step) if self.runtime is not None else self.model.forward(step, self.kv)
+                logits = self.runtime.forward(step)
             for row, (i, r, seq) in enumerate(rows):
                 seq.num_tokens = r.num_tokens + j
                 if r.params.greedy:
                     d = int(logits[row].argmax())
                 else:
                     q = sampling_distribution(logits[row].float(), r.params)
-                    d = _draw(q, r.generator)
-                    qs[i].append(q)          # type: ignore[union-attr]
+                    d = draw(q, r.generator)
+                    qs[i].append(q)
                 drafts[i].append(d)
                 last[i] = d
         return drafts, qs

@@ -16,26 +16,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
+from slipstream.engine.config import EngineConfig
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import Sampler, TokenLogprobs, make_generator
+from slipstream.engine.sampling import Sampler, TokenLogprobs, logprobs, make_generator
 from slipstream.engine.scheduler import Scheduler, StepPlan
 from slipstream.engine.speculative import SpecStats, make_proposer, verify_row
 from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.prefix_cache import PrefixCache
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
-from slipstream.runtime.select import build_runtime, resolve_runtime
+from slipstream.models.base import Model
+from slipstream.runtime.base import Decoder, DecoderOptions
+from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
+from slipstream.step import StepBuilder, StepInput
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
-KV_BUDGET_BYTES = 1 << 30
-# Speculation verifies K+1 rows per sequence; the matvec kernels' cost grows with rows, so past
-# this many running sequences a step of plain decoding gives more tokens per second. Measured on
-# the 2-core CPU with K=4 on an echo task (benchmarks/spec_decode.py --batch-sweep): 1.24x at 1
-# sequence, 1.08x at 2, 1.07x at 3, 0.99x at 4, 0.76x at 8.
-SPEC_MAX_BATCH = 3
+KV_BUDGET_BYTES = 1 << 30   # KV-cache size when not given: up to twice the context, within this
 
 
 @dataclass
@@ -68,47 +66,42 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer, max_model_len: int | None = None,
-                 kv_cache_tokens: int | None = None, block_size: int = 16, max_batch: int = 8,
-                 prefill_chunk: int = 512, runtime: str = "auto", max_waiting: int | None = None,
-                 enable_prefix_cache: bool = True, enable_merging: bool = True,
-                 speculative: str | None = None, num_speculative_tokens: int = 4,
-                 speculative_max_batch: int = SPEC_MAX_BATCH, runtime_hints: dict | None = None):
+    def __init__(self, model: Model, tokenizer: Any, config: EngineConfig | None = None,
+                 runtime_hints: dict | None = None):
+        """`runtime_hints`: a compiled artifact's kernel configurations and megakernel plans."""
+        self.config = config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
         cfg = model.cfg
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 2):
-            raise SlipstreamError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
-        for name, v in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
-            if not isinstance(v, int) or v < 1:
-                raise SlipstreamError(f"{name} must be an integer >= 1, got {v!r}")
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_token = model.kv_bytes_per_token()
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None:
+            per_token = model.kv_bytes_per_token()
             kv_cache_tokens = max(self.max_model_len, min(2 * self.max_model_len, KV_BUDGET_BYTES // per_token))
-        self.runtime_name = resolve_runtime(runtime, model)    # may move the model to the GPU
+        self.runtime_name = resolve_runtime(config.runtime, model)
+        device = placement(self.runtime_name, model)
+        if model.device.type != device:
+            model.to(device)
+        block_size = config.block_size
         self.kv = model.new_kv_cache(-(-kv_cache_tokens // block_size), block_size)
-        self.prefix_cache = PrefixCache(self.kv, enabled=enable_prefix_cache)
-        self.scheduler = Scheduler(self.kv, self.prefix_cache, max_batch, prefill_chunk, max_waiting)
-        self.enable_merging = enable_merging
+        self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv, self.prefix_cache, config)
         self.sampler = Sampler()
-        # a speculative step verifies K + 1 rows per sequence
-        rows = max_batch * (num_speculative_tokens + 1 if speculative else 1)
-        self.runtime = build_runtime(self.runtime_name, model, self.kv, rows, self.max_model_len,
-                                     runtime_hints or {})
-        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 16:
-            raise SlipstreamError(f"num_speculative_tokens must be in 1..16, got {num_speculative_tokens!r}")
+        self.runtime: Decoder = build_decoder(
+            self.runtime_name, model, self.kv,
+            DecoderOptions(max_rows=config.spec_rows, max_context=self.max_model_len,
+                           hints=runtime_hints or {}, exact=config.exact))
         try:
-            self.proposer = make_proposer(speculative, num_speculative_tokens, model, tokenizer)
+            self.proposer = make_proposer(config.speculative, config.num_speculative_tokens, model, tokenizer)
         except ValueError as e:
             raise SlipstreamError(str(e)) from None
-        self.spec_max_batch = speculative_max_batch
+        self.spec_max_batch = config.speculative_max_batch
         self.needs_hidden = getattr(self.proposer, "needs_hidden", False)   # MTP reads the target's states
         if self.needs_hidden:
             self.proposer.kv = self.kv
-            if self.runtime is not None:
+            if self.runtime.name != "eager":
                 raise SlipstreamError("MTP speculation needs the eager runtime (it reads hidden states)")
-        self.spec = SpecStats(num_speculative_tokens)
+        self.spec = SpecStats(config.num_speculative_tokens)
         self.requests: dict[str, Request] = {}     # in flight, followers included
         self._merge_index: dict[tuple, Request] = {}
         self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
@@ -151,7 +144,7 @@ class Engine:
         self.check_prompt(r.prompt_ids)
         if r.request_id in self.requests:
             raise SlipstreamError(f"request id {r.request_id!r} is already in flight")
-        key = self._merge_key(r) if self.enable_merging else None
+        key = self._merge_key(r) if self.config.enable_merging else None
         primary = self._merge_index.get(key) if key is not None else None
         if primary is not None and not primary.finished:
             self._follow(r, primary)
@@ -271,28 +264,21 @@ class Engine:
             self.requests.pop(f.request_id, None)
         self._unindex(r)
 
-    def _seq_slice(self, r: Request, row: int, n: int, context: int) -> SeqSlice:
-        return SeqSlice(row, n, context, r.kv.read_slots(context))
-
     def _device_greedy(self, batch: list[Request]) -> bool:
         """Plain greedy rows (no penalties, no logprobs) can take the argmax the runtime computed
         on the device: the same token as the host's argmax (lowest index on ties)."""
-        return (getattr(self.runtime, "device_greedy", False) and not self.needs_hidden
+        return (self.runtime.device_greedy and not self.needs_hidden
                 and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
                         for r in batch))
 
     def _decode(self, batch: list[Request], tokens_only: bool = False) -> torch.Tensor:
         """One decode step of `batch`: last-position logits, or with `tokens_only` the greedy tokens
         from a runtime that selects them on the device."""
-        tokens, positions, slots, seqs = [], [], [], []
-        for i, r in enumerate(batch):
-            pos = r.num_tokens - 1   # the last sampled token is not in the cache yet
-            tokens.append(r.output_ids[-1])
-            positions.append(pos)
-            slots.append(r.kv.slots(pos, pos + 1))
-            seqs.append(self._seq_slice(r, i, 1, pos + 1))
-        step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
-                         torch.arange(len(batch)))
+        b = StepBuilder()
+        positions = [r.num_tokens - 1 for r in batch]   # the last sampled token is not in the cache yet
+        for r, pos in zip(batch, positions):
+            b.add(r.seq, [r.output_ids[-1]], pos)
+        step = b.build()
         logits = self.runtime.forward(step, tokens_only=True) if tokens_only else self._forward(step)
         for i, r in enumerate(batch):
             if self.needs_hidden:
@@ -306,8 +292,6 @@ class Engine:
         if self.needs_hidden:
             logits, self._hidden = self.model.forward(step, self.kv, return_hidden=True)
             return logits
-        if self.runtime is None:
-            return self.model.forward(step, self.kv).cpu()   # sampling runs on the host
         return self.runtime.forward(step)
 
     # -- speculative decoding -------------------------------------------------------------------
@@ -341,22 +325,15 @@ class Engine:
                             qs: list[list | None]) -> list[StepEvent]:
         """One target step over each request's last token and its guesses, then keep the prefix
         of guesses the target agrees with (see speculative.py)."""
-        tokens, positions, slots, seqs = [], [], [], []
+        b = StepBuilder()
         base_pos: dict[int, int] = {}
-        row = 0
         for r, d in zip(batch, drafts):
             pos = r.num_tokens - 1
             base_pos[id(r)] = pos
             r.kv.reserve(pos + 1 + len(d))
-            toks = [r.output_ids[-1]] + d
-            tokens += toks
-            positions += range(pos, pos + len(toks))
-            slots.append(r.kv.slots(pos, pos + len(toks)))
-            for j in range(len(toks)):      # each row attends to its own prefix: a decode row
-                seqs.append(self._seq_slice(r, row, 1, pos + j + 1))
-                row += 1
-        step = StepInput(torch.tensor(tokens), torch.tensor(positions), torch.cat(slots), seqs,
-                         torch.arange(row))
+            # each row attends to its own prefix: a decode row
+            b.add(r.seq, [r.output_ids[-1]] + d, pos, as_rows=True, logits="all")
+        step = b.build()
         with matvec_only():   # the same kernels, row for row, as plain decode steps
             logits = self._forward(step)
         now = time.perf_counter()
@@ -376,7 +353,7 @@ class Engine:
                                           r.generator, draft, q[j] if q and draft is not None else None)
                 lp = None
                 if r.params.logprobs is not None:
-                    lp = self.sampler._logprobs(pen[None], [r.params], [tok])[0]
+                    lp = logprobs(pen[None], [r.params], [tok])[0]
                 events += self._append(r, tok, lp, now)
                 if not ok or r.finished:
                     break
@@ -409,20 +386,14 @@ class Engine:
         return events
 
     def _prefill_group(self, chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
-        tokens, positions, slots, seqs, rows, done = [], [], [], [], [], []
-        row = 0
+        b = StepBuilder()
+        done = []
         for r, start, end in chunks:
-            ids = r.all_token_ids
-            tokens += ids[start:end]
-            positions.append(torch.arange(start, end))
-            slots.append(r.kv.slots(start, end))
-            seqs.append(self._seq_slice(r, row, end - start, end))
-            row += end - start
-            if end == r.prefill_target and not r.output_ids:
-                rows.append(row - 1)
+            last = end == r.prefill_target and not r.output_ids   # complete: sample its next token
+            b.add(r.seq, r.all_token_ids[start:end], start, logits="last" if last else "none")
+            if last:
                 done.append(r)
-        step = StepInput(torch.tensor(tokens), torch.cat(positions), torch.cat(slots), seqs,
-                         torch.tensor(rows, dtype=torch.long))
+        step = b.build()
         logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
         row = 0
         for r, start, end in chunks:
@@ -435,7 +406,7 @@ class Engine:
 
     def _commit_blocks(self, r: Request) -> None:
         if r.kv.num_tokens // self.kv.block_size > r.kv.num_hashed_blocks:
-            self.prefix_cache.commit(r.kv, r.all_token_ids)
+            self.prefix_cache.commit(r.seq, r.all_token_ids)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[StepEvent]:
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
@@ -454,7 +425,7 @@ class Engine:
         r.metrics.num_output_tokens += 1
         if lp is not None:
             r.logprobs.append(lp)
-        if (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ()):
             r.finish_reason = "stop"
         else:
             before = len(r.text)
@@ -501,7 +472,7 @@ class Engine:
 
     @staticmethod
     def _check_stop_strings(r: Request, before: int) -> None:
-        for s in r.params.stop:
+        for s in r.params.stop or ():
             i = r.text.find(s, max(0, before - len(s) + 1))
             if i >= 0:
                 r.text = r.text[:i]
@@ -512,7 +483,7 @@ class Engine:
     def _held_back(r: Request) -> int:
         """Length of the text's tail that could still become a stop string: not streamed yet."""
         held = 0
-        for s in r.params.stop:
+        for s in r.params.stop or ():
             for k in range(min(len(s) - 1, len(r.text)), held, -1):
                 if r.text.endswith(s[:k]):
                     held = k

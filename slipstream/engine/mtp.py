@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import _draw, sampling_distribution
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.engine.sampling import draw, sampling_distribution
+from slipstream.step import prefill_step
 
 
 @dataclass
@@ -63,11 +63,8 @@ class MTPProposer:
             end += 1
         if end == st.done:
             return
-        n = end - st.done
         hid = torch.stack([st.pending.pop(i) for i in range(st.done, end)])
-        step = StepInput(torch.tensor(ids[st.done + 1:end + 1]), torch.arange(st.done, end),
-                         r.kv.slots(st.done, end), [SeqSlice(0, n, end, r.kv.slots(0, end))],
-                         torch.tensor([n - 1]))
+        step = prefill_step(r.seq, ids[st.done + 1:end + 1], st.done, gather=True)
         logits, x = self.model.mtp_forward(step, self.kv, hid, 0)
         st.done, st.logits, st.x = end, logits[0], x[-1]
 
@@ -85,8 +82,8 @@ class MTPProposer:
         if r.params.greedy:
             return int(logits.argmax())
         p = sampling_distribution(logits.float(), r.params)
-        q.append(p)                 # type: ignore[union-attr]
-        return _draw(p, None)       # never the request's generator: seeded output must not change
+        q.append(p)
+        return draw(p, None)       # never the request's generator: seeded output must not change
 
     def _propose(self, r: Request, k: int) -> tuple[list[int], list | None]:
         st = self.state.get(r.request_id)
@@ -94,7 +91,7 @@ class MTPProposer:
             return [], None
         self._advance(r, st)
         P = r.num_tokens - 1                     # the target's KV holds [0, P); x_P is the newest token
-        if st.done != P or st.logits is None:    # out of step (e.g. plain decode steps without hidden)
+        if st.done != P or st.logits is None or st.x is None:    # out of step (e.g. plain decode steps without hidden)
             return [], None
         q: list | None = None if r.params.greedy else []
         drafts = [self._pick(r, st.logits, q)]
@@ -103,8 +100,7 @@ class MTPProposer:
             r.kv.reserve(P + k)
         for j in range(1, k):                    # chain: position P + j - 1 takes the last guess
             pos = P + j - 1
-            step = StepInput(torch.tensor([drafts[-1]]), torch.tensor([pos]), r.kv.slots(pos, pos + 1),
-                             [SeqSlice(0, 1, pos + 1, r.kv.slots(0, pos + 1))], torch.tensor([0]))
+            step = prefill_step(r.seq, [drafts[-1]], pos, gather=True)
             logits, xs = self.model.mtp_forward(step, self.kv, x[None], 0)
             drafts.append(self._pick(r, logits[0], q))
             x = xs[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class Request:
     finish_reason: str | None = None   # "stop" | "length" | "abort"
     kv: SequenceKV | None = None
     generator: torch.Generator | None = None
-    detok: object | None = None  # IncrementalDetokenizer
+    detok: Any = None            # IncrementalDetokenizer
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # scheduling state
     arrival_seq: int = field(default_factory=lambda: next(_arrivals))  # FIFO tie-break
@@ -66,6 +67,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.own_priority = self.priority   # what its caller asked for (merging may raise `priority`)
+
+    @property
+    def seq(self) -> SequenceKV:
+        """The KV of a request that holds blocks (scheduled, not preempted)."""
+        if self.kv is None:
+            raise RuntimeError(f"request {self.request_id} holds no KV blocks")
+        return self.kv
 
     @property
     def finished(self) -> bool:

@@ -250,7 +250,7 @@ def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator | No
     if _single_candidate(row, sp):
         return int(row.argmax())
     probs, ids = _candidates(row, sp)
-    j = _draw(probs, gen)
+    j = draw(probs, gen)
     return int(ids[j]) if ids is not None else j
 
 
@@ -282,7 +282,7 @@ def _draw_small(weights: torch.Tensor, frac: torch.Tensor) -> int:
     return j if j < weights.numel() and weights[j] > 0 else _last_positive(weights)
 
 
-def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+def draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """Index drawn with probability proportional to ``weights`` (1-D, >= 0, not all 0).
 
     Inverse CDF with one float64 uniform from ``gen``. Much cheaper than
@@ -357,23 +357,23 @@ class Sampler:
                 if not sp.greedy:
                     token_ids[i] = _sample_row(logits[i], sp, generators[i])
 
-        return SampleResult(token_ids=token_ids, logprobs=self._logprobs(logits, params, token_ids))
+        return SampleResult(token_ids=token_ids, logprobs=logprobs(logits, params, token_ids))
 
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(params)
-        rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
-        if not rows:
-            return out
-        logp = torch.log_softmax(logits[rows], dim=-1)
-        for r, i in enumerate(rows):
-            k = params[i].logprobs
-            assert k is not None
-            top: list[tuple[int, float]] = []
-            if k > 0:
-                vals, idx = torch.topk(logp[r], min(k, logp.shape[-1]))
-                top = list(zip(idx.tolist(), vals.tolist()))
-            out[i] = TokenLogprobs(token_ids[i], float(logp[r, token_ids[i]]), top)
+
+def logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> list[TokenLogprobs | None]:
+    """Row i's log-probability of ``token_ids[i]`` and its top ``params[i].logprobs`` alternatives
+    (None for rows that did not ask for logprobs)."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+    if not rows:
         return out
+    logp = torch.log_softmax(logits[rows], dim=-1)
+    for r, i in enumerate(rows):
+        k = params[i].logprobs
+        assert k is not None
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            vals, idx = torch.topk(logp[r], min(k, logp.shape[-1]))
+            top = list(zip(idx.tolist(), vals.tolist()))
+        out[i] = TokenLogprobs(token_ids[i], float(logp[r, token_ids[i]]), top)
+    return out

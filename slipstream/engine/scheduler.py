@@ -19,9 +19,10 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from slipstream.engine.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.errors import QueueFullError
-from slipstream.kv.blocks import PagedKVCache, SequenceKV
+from slipstream.kv.blocks import LatentKVCache, PagedKVCache, SequenceKV
 from slipstream.kv.prefix_cache import PrefixCache
 
 
@@ -37,16 +38,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKVCache, prefix_cache: PrefixCache, max_batch: int,
-                 prefill_chunk: int, max_waiting: int | None = None):
-        if max_batch < 1 or prefill_chunk < 1:
-            raise ValueError("max_batch and prefill_chunk must be >= 1")
+    def __init__(self, kv: PagedKVCache | LatentKVCache, prefix_cache: PrefixCache, config: EngineConfig):
         self.kv = kv
         self.alloc = kv.allocator
         self.prefix_cache = prefix_cache
-        self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
-        self.max_waiting = max_waiting
+        self.config = config                       # validated: max_batch, prefill_chunk >= 1
+        self.max_batch = config.max_batch
+        self.prefill_chunk = config.prefill_chunk
+        self.max_waiting = config.max_waiting
         self.waiting: list[Request] = []   # sorted by Request.order
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from slipstream.engine.sampling import SamplingParams, _draw, apply_penalties, sampling_distribution
+from slipstream.engine.sampling import SamplingParams, apply_penalties, draw, sampling_distribution
 
 
 class Proposer(Protocol):
@@ -115,7 +115,7 @@ def rejection_sample(p: torch.Tensor, draft: int, q: torch.Tensor | None,
         residual = (p - q).clamp_min(0.0)
     if float(residual.sum()) <= 0.0:     # p == q (up to rounding): any draw from p is right
         residual = p
-    return _draw(residual, gen), False
+    return draw(residual, gen), False
 
 
 def verify_row(row: torch.Tensor, sp: SamplingParams, prompt_ids: list[int], output_ids: list[int],
@@ -132,7 +132,7 @@ def verify_row(row: torch.Tensor, sp: SamplingParams, prompt_ids: list[int], out
         return tok, draft is not None and tok == draft, row
     p = sampling_distribution(row, sp)
     if draft is None:
-        return _draw(p, gen), False, row
+        return draw(p, gen), False, row
     tok, kept = rejection_sample(p, draft, q, gen)
     return tok, kept, row
 

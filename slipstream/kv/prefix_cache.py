@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from slipstream.kv.blocks import PagedKVCache, SequenceKV
+from slipstream.kv.blocks import LatentKVCache, PagedKVCache, SequenceKV
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -22,7 +22,7 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, cache: PagedKVCache, enabled: bool = True):
+    def __init__(self, cache: PagedKVCache | LatentKVCache, enabled: bool = True):
         self.cache = cache
         self.enabled = enabled
         self.queried_tokens = 0   # prompt tokens looked up

@@ -1,6 +1,6 @@
 """DeepSeek-V3 / V3.2, GLM-4.5 and GLM-5 in plain torch over a paged KV cache.
 
-The same step interface as `slipstream.models.llama.LlamaModel` (a `StepInput` of flattened tokens,
+The same step interface as `slipstream.models.llama.LlamaModel` (a `slipstream.step.StepInput` of flattened tokens,
 per-sequence `SeqSlice`s, logits for `logits_rows`), so the engine drives either unchanged.
 
 Attention:
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from slipstream.config import DeepseekConfig
 from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import SeqSlice, StepInput
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use a fixed eps, not rms_norm_eps
 INDEXER_NORM_EPS = 1e-6
@@ -121,6 +121,9 @@ def _causal(s: SeqSlice) -> torch.Tensor | None:
 
 
 class DeepseekModel:
+    devices = ("cpu",)            # float32 on the CPU for now
+    device = torch.device("cpu")
+
     def __init__(self, cfg: DeepseekConfig, weights: dict[str, Any]):
         self.cfg = cfg
         self.embed: torch.Tensor = weights["embed"]
@@ -180,6 +183,12 @@ class DeepseekModel:
             return LatentKVCache(self.num_cache_layers, num_blocks, block_size, c.kv_lora_rank,
                                  c.qk_rope_head_dim, c.index_head_dim if c.dsa else 0)
         return PagedKVCache(self.num_cache_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> DeepseekModel:
+        """Placement: the DeepSeek family runs on the CPU only (for now)."""
+        if torch.device(device).type not in self.devices:
+            raise ModelLoadError(f"the {self.cfg.architecture} family runs on the CPU only for now")
+        return self
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]

@@ -8,7 +8,6 @@ Weights are `Linear`s, packed or dense, with Q/K/V and gate/up fused into one pr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,32 +16,9 @@ import torch.nn.functional as F
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import PagedKVCache
-from slipstream.weights.quant import Linear, concat_rows, matvec_only
-
-
-@dataclass
-class SeqSlice:
-    """Where one sequence's new tokens sit in the step, and where its cache is."""
-    start: int                               # first row of this sequence in the step batch
-    length: int                              # number of new tokens
-    context: int                             # tokens in cache after this step (incl. new ones)
-    read: tuple[int, int] | torch.Tensor     # contiguous slot range or gathered slot ids [context]
-
-
-@dataclass
-class StepInput:
-    token_ids: torch.Tensor        # [T] long
-    positions: torch.Tensor        # [T] long
-    write_slots: torch.Tensor      # [T] long: cache slot of each new token
-    seqs: list[SeqSlice]
-    logits_rows: torch.Tensor      # rows whose logits are wanted (last token of each sequence)
-
-    def to(self, device: torch.device) -> "StepInput":
-        mv = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        seqs = [SeqSlice(s.start, s.length, s.context, s.read if isinstance(s.read, tuple) else mv(s.read))
-                for s in self.seqs]
-        return StepInput(mv(self.token_ids), mv(self.positions), mv(self.write_slots), seqs,
-                         mv(self.logits_rows))
+from slipstream.step import SeqSlice, StepInput
+from slipstream.weights.layers import LlamaLayer
+from slipstream.weights.quant import Linear, matvec_only
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,40 +48,33 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
 
 
 class LlamaModel:
+    devices = ("cpu", "cuda")
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any]):
         self.cfg = cfg
         self.embed: Linear = weights["embed"]
         self.lm_head: Linear = weights["lm_head"]
         self.norm: torch.Tensor = weights["norm"]
-        self.layers = []
-        for i in range(cfg.num_layers):
-            w = weights[f"layers.{i}"]
-            self.layers.append({   # a compiled artifact holds QKV and gate/up already fused
-                "attn_norm": w["attn_norm"], "ffn_norm": w["ffn_norm"],
-                "qkv": w["qkv"] if "qkv" in w else concat_rows([w["q"], w["k"], w["v"]]),
-                "o": w["o"],
-                "gate_up": w["gate_up"] if "gate_up" in w else concat_rows([w["gate"], w["up"]]),
-                "down": w["down"],
-                "q_norm": w.get("q_norm"), "k_norm": w.get("k_norm"),
-            })
+        self.layers: list[LlamaLayer] = [weights[f"layers.{i}"] for i in range(cfg.num_layers)]
         inv = weights.get("inv_freq")
         self.inv_freq = inv if inv is not None else rope_inv_freq(cfg, weights.get("rope_freqs"))
         self.device = self.embed.data.device
         self.kv_dtype = torch.float32   # the cache's element type: the weights' on a GPU
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> "LlamaModel":
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
         """Moves the weights to `device` (dense ones cast to `dtype`; norms and RoPE stay float32) and
         makes new KV caches there in `dtype`. The residual stream and norms compute in float32."""
         moved: dict[int, Linear] = {}   # keeps tied embeddings tied
 
-        def mv(w):
-            if isinstance(w, Linear):
-                if id(w) not in moved:
-                    moved[id(w)] = w.to(device, dtype)
-                return moved[id(w)]
-            return None if w is None else w.to(device=device, dtype=torch.float32)
-        self.embed, self.lm_head, self.norm = mv(self.embed), mv(self.lm_head), mv(self.norm)
-        self.layers = [{k: mv(v) for k, v in L.items()} for L in self.layers]
+        def lin(w: Linear) -> Linear:
+            if id(w) not in moved:
+                moved[id(w)] = w.to(device, dtype)
+            return moved[id(w)]
+
+        def vec(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=torch.float32)
+        self.embed, self.lm_head, self.norm = lin(self.embed), lin(self.lm_head), vec(self.norm)
+        self.layers = [L.map(lin, vec) for L in self.layers]
         self.inv_freq = self.inv_freq.to(device)
         self.device = torch.device(device)
         self.kv_dtype = dtype
@@ -158,7 +127,10 @@ class LlamaModel:
         return out.transpose(0, 1).to(out_dtype)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, kv: PagedKVCache) -> torch.Tensor:
+    def forward(self, step: StepInput, kv: PagedKVCache, return_hidden: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [len(logits_rows), vocab]; with return_hidden also the final-normed hidden state of
+        every row [T, hidden]."""
         c = self.cfg
         T = step.token_ids.shape[0]
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -169,14 +141,14 @@ class LlamaModel:
         x = self.embed.dequantize(step.token_ids).to(torch.float32)
         cos, sin = self._rope_tables(step.positions)
         for li, L in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), L["attn_norm"], eps)
-            qkv = L["qkv"](h)
+            h = F.rms_norm(x, (c.hidden_size,), L.attn_norm, eps)
+            qkv = L.qkv(h)
             q = qkv[:, :qd].view(T, H, D)
             k = qkv[:, qd:qd + kd].view(T, KVH, D)
             v = qkv[:, qd + kd:].view(T, KVH, D)
-            if L["q_norm"] is not None:
-                q = F.rms_norm(q, (D,), L["q_norm"], eps)
-                k = F.rms_norm(k, (D,), L["k_norm"], eps)
+            if L.q_norm is not None:
+                q = F.rms_norm(q, (D,), L.q_norm, eps)
+                k = F.rms_norm(k, (D,), L.k_norm, eps)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             lk, lv = kv.k[li], kv.v[li]
@@ -187,13 +159,17 @@ class LlamaModel:
             else:
                 attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s)
                                   for s in step.seqs])
-            L["o"](attn.reshape(T, qd), out=x, accumulate=True)
-            h = F.rms_norm(x, (c.hidden_size,), L["ffn_norm"], eps)
-            gu = L["gate_up"](h)
+            L.o(attn.reshape(T, qd), out=x, accumulate=True)
+            h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, eps)
+            gu = L.gate_up(h)
             f = c.intermediate_size
             act = F.silu(gu[:, :f]) * gu[:, f:]
-            L["down"](act, out=x, accumulate=True)
-        last = x.index_select(0, step.logits_rows)
-        last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
+            L.down(act, out=x, accumulate=True)
+        if return_hidden:
+            h = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
+            last = h.index_select(0, step.logits_rows)
+        else:
+            last = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), self.norm, eps)
         with matvec_only():   # a sequence's logits must not depend on how many share the step
-            return self.lm_head(last)
+            logits = self.lm_head(last)
+        return (logits, h) if return_hidden else logits

@@ -6,6 +6,7 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.models.llama import LlamaModel
+from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear
 
 SHAPES: dict[str, dict] = {   # the GPU benchmark shapes (DESIGN.md, "Measuring")
@@ -41,9 +42,9 @@ def random_llama(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: s
     weights: dict = {"embed": mat(cfg.vocab_size, Hd), "norm": norm(Hd)}
     weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else mat(cfg.vocab_size, Hd)
     for i in range(cfg.num_layers):
-        weights[f"layers.{i}"] = {"attn_norm": norm(Hd), "ffn_norm": norm(Hd),
-                                  "qkv": mat((H + 2 * KVH) * D, Hd), "o": mat(Hd, H * D),
-                                  "gate_up": mat(2 * F, Hd), "down": mat(Hd, F)}
+        weights[f"layers.{i}"] = LlamaLayer(attn_norm=norm(Hd), ffn_norm=norm(Hd),
+                                            qkv=mat((H + 2 * KVH) * D, Hd), o=mat(Hd, H * D),
+                                            gate_up=mat(2 * F, Hd), down=mat(Hd, F))
     model = LlamaModel(cfg, weights)
     model.inv_freq = model.inv_freq.to(device)
     return model

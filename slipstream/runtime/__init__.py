@@ -1,3 +1,5 @@
-"""Executors of one forward step (see `select.py`); this module stays import-light for the CLI."""
+"""Executors of one forward step behind the `Decoder` protocol (`base.py`), found by name in
+`registry.py`; this package stays import-light for the CLI."""
+from slipstream.runtime.registry import RUNTIMES
 
-RUNTIMES = ("auto", "eager", "native", "graph", "megakernel")
+__all__ = ["RUNTIMES"]

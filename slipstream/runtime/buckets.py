@@ -10,11 +10,11 @@ KV is written before any later replay reads it.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import StepInput
 
 CONTEXT_BUCKETS = (512, 2048, 8192, 32768, 131072)
 
@@ -42,12 +42,9 @@ def bucket_for(buckets: list[int], n: int) -> int:
 def split_rows(step: StepInput, rows: int) -> Iterator[StepInput]:
     """The decode step (one token per sequence) in pieces of at most `rows` sequences, in order;
     each piece asks for the logits of all its rows."""
-    n = step.token_ids.shape[0]
+    n = step.num_rows
     for lo in range(0, n, rows):
-        hi = min(lo + rows, n)
-        seqs = [SeqSlice(s.start - lo, 1, s.context, s.read) for s in step.seqs[lo:hi]]
-        yield StepInput(step.token_ids[lo:hi], step.positions[lo:hi], step.write_slots[lo:hi], seqs,
-                        torch.arange(hi - lo))
+        yield step.rows(lo, min(lo + rows, n))
 
 
 class BucketedDecoder:
@@ -55,7 +52,8 @@ class BucketedDecoder:
     static buffers per bucket built on first use (`static`), and the engine-facing `forward`.
     Subclasses provide `_build(batch, context)`, `fill`, `replay` and `logits_of`."""
 
-    name: str
+    name: ClassVar[str]
+    device_greedy: ClassVar[bool] = True   # `forward(..., tokens_only=True)`: the argmax taken on the device
 
     def _init_buckets(self, model, kv, max_batch: int, max_rows: int, max_context: int | None) -> None:
         self.max_context = min(max_context or model.cfg.max_position_embeddings, kv.capacity_tokens)
@@ -72,10 +70,20 @@ class BucketedDecoder:
             self._static[key] = self._build(*key)
         return self._static[key]
 
+    def _build(self, batch: int, context: int) -> Any:
+        raise NotImplementedError
+
+    def fill(self, s: Any, step: StepInput) -> None:
+        raise NotImplementedError
+
+    def replay(self, s: Any) -> None:
+        raise NotImplementedError
+
+    def logits_of(self, s: Any) -> torch.Tensor:
+        raise NotImplementedError
+
     def _check(self, s) -> None:
         """Called after each replay (the megakernel raises on a timed-out wait here)."""
-
-    device_greedy = True   # `forward(..., tokens_only=True)`: the argmax taken on the device
 
     @torch.inference_mode()
     def forward(self, step: StepInput, tokens_only: bool = False) -> torch.Tensor:
@@ -84,13 +92,18 @@ class BucketedDecoder:
         if any(q.length != 1 for q in step.seqs) or len(step.seqs) != step.token_ids.shape[0]:
             raise ValueError(f"the {self.name} runtime decodes one token per sequence")
         parts = []
+        several = step.num_rows > self.max_rows
         for piece in split_rows(step, self.max_rows):
-            n = piece.token_ids.shape[0]
+            n = piece.num_rows
             s = self.static(n, max(q.context for q in piece.seqs))
             self.fill(s, piece)
             self.replay(s)
             self._check(s)
-            parts.append(s.next_tokens[:n].clone() if tokens_only else self.logits_of(s)[:n])
+            if tokens_only:
+                parts.append(s.next_tokens[:n].clone())
+            else:   # a later piece in the same bucket replays over these buffers: keep a copy
+                logits = self.logits_of(s)[:n]
+                parts.append(logits.clone() if several else logits)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = out.index_select(0, step.logits_rows.to(out.device)).cpu()
         return out if tokens_only else out.float()

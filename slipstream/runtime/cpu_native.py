@@ -10,19 +10,22 @@ the CPU counterpart of a captured CUDA graph. Prefill and anything unusual stay 
 from __future__ import annotations
 
 import ctypes
+from typing import Any, ClassVar
 
 import torch
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kv.blocks import PagedKVCache
-from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.models.llama import LlamaModel
+from slipstream.step import StepInput
+from slipstream.weights.layers import LlamaLayer
 
 
 class _Buffers:
     def __init__(self, model: LlamaModel, batch: int):
         c = model.cfg
         qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        f32 = dict(dtype=torch.float32)
+        f32: dict[str, Any] = dict(dtype=torch.float32)
         self.x = torch.empty(batch, c.hidden_size, **f32)
         self.h = torch.empty(batch, c.hidden_size, **f32)
         self.qkv = torch.empty(batch, qkv_dim, **f32)
@@ -37,7 +40,11 @@ class _Buffers:
 class NativeDecoder:
     """Runs decode steps (one new token per sequence) of a Llama-family model with native kernels."""
 
-    def __init__(self, model: LlamaModel, kv: PagedKVCache):
+    name: ClassVar[str] = "native"
+    device_greedy: ClassVar[bool] = False
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, exact: bool = False):
+        # `exact` (fp32-activation kernels) is the only mode these kernels have: accepted, nothing to switch
         lib = load_library()
         if lib is None:
             raise RuntimeError("native CPU kernels are not available on this machine")
@@ -49,19 +56,22 @@ class NativeDecoder:
         self._layers = [self._layer_args(L) for L in model.layers]
         self._kv_ptrs = [(kv.k[i].data_ptr(), kv.v[i].data_ptr()) for i in range(c.num_layers)]
 
-    @staticmethod
-    def supports(model) -> bool:
+    @classmethod
+    def unsupported(cls, model) -> str | None:
         if not isinstance(model, LlamaModel):
-            return False
-        mats = [L[k] for L in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
-        return load_library() is not None and all(m.packed for m in mats) and \
-            all(L["qkv"].bias is None for L in model.layers)
+            return f"the native runtime needs a Llama-family model, got {type(model).__name__}"
+        mats = [m for L in model.layers for m in L.linears()] + [model.lm_head]
+        if not all(m.packed for m in mats) or any(L.qkv.bias is not None for L in model.layers):
+            return "the native runtime needs packed GGUF weights (Q4_0/Q4_1/Q8_0/Q4_K) without q/k/v biases"
+        if load_library() is None:
+            return "the native CPU kernels are not available on this machine"
+        return None
 
-    def _layer_args(self, L: dict) -> dict:
+    def _layer_args(self, L: LlamaLayer) -> dict:
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return {"attn_norm": ptr(L["attn_norm"]), "ffn_norm": ptr(L["ffn_norm"]),
-                "q_norm": ptr(L["q_norm"]), "k_norm": ptr(L["k_norm"]),
-                "qkv": L["qkv"], "o": L["o"], "gate_up": L["gate_up"], "down": L["down"]}
+        return {"attn_norm": ptr(L.attn_norm), "ffn_norm": ptr(L.ffn_norm),
+                "q_norm": ptr(L.q_norm), "k_norm": ptr(L.k_norm),
+                "qkv": L.qkv, "o": L.o, "gate_up": L.gate_up, "down": L.down}
 
     def _buf(self, batch: int) -> _Buffers:
         if batch not in self._buffers:
@@ -73,7 +83,9 @@ class NativeDecoder:
         w.native(self.lib, x.data_ptr(), rows, out.data_ptr(), accumulate, scratch.data_ptr())
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
+    def forward(self, step: StepInput, tokens_only: bool = False) -> torch.Tensor:
+        if tokens_only:
+            raise ValueError("the native runtime returns logits (device_greedy is False)")
         m, c, lib = self.model, self.model.cfg, self.lib
         B = step.token_ids.shape[0]
         b = self._buf(B)

@@ -14,19 +14,24 @@ which is how the tests check it against the eager step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from slipstream.kernels.triton.configs import KernelConfigs, decode_shapes
 from slipstream.kv.blocks import PagedKVCache, block_ids
-from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.models.llama import LlamaModel
 from slipstream.runtime.buckets import BucketedDecoder
+from slipstream.step import StepInput
 from slipstream.weights.quant import Q8_0, Linear
 
 MAX_ROWS = 16   # the largest batch bucket: [rows, tile, K-chunk] products past it spill registers
 
 
-def weight_args(w: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+WeightArgs = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def weight_args(w: Linear) -> WeightArgs:
     """The matvec kernel's view of a weight: dense, int8 + scales, or int4 nibbles + scales and mins
     (the packed layouts of `weights/quant.py` are the kernels' own)."""
     if not w.packed:
@@ -72,7 +77,7 @@ class GraphDecoder(BucketedDecoder):
         if why:
             raise ValueError(why)
         self.model, self.kv = model, kv
-        self.layers = [{k: weight_args(L[k]) for k in ("qkv", "o", "gate_up", "down")} for L in model.layers]
+        self.layers = [{k: weight_args(getattr(L, k)) for k in L.LINEARS} for L in model.layers]
         self.lm_head = weight_args(model.lm_head)
         self.device = kv.k.device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -81,9 +86,11 @@ class GraphDecoder(BucketedDecoder):
         self._init_buckets(model, kv, max_batch, MAX_ROWS, max_context)
         self.configs = configs or KernelConfigs()
 
-    @staticmethod
-    def unsupported(model: LlamaModel) -> str | None:
+    @classmethod
+    def unsupported(cls, model) -> str | None:
         """Why the Triton step cannot run this model (None: it can)."""
+        if not isinstance(model, LlamaModel):
+            return f"the graph runtime needs a Llama-family model, got {type(model).__name__}"
         c = model.cfg
         if c.head_dim & (c.head_dim - 1):
             return "the Triton decode step needs a power-of-two head_dim"
@@ -95,7 +102,7 @@ class GraphDecoder(BucketedDecoder):
     def _alloc(self, B: int, C: int) -> _Static:
         c = self.model.cfg
         dev = self.device
-        f32 = dict(dtype=torch.float32, device=dev)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=dev)
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         part = self.configs.attention["partition"]
         splits = -(-C // part)
@@ -121,7 +128,7 @@ class GraphDecoder(BucketedDecoder):
             matvec_ws=ws)
         return s
 
-    def _matvec(self, s: _Static, x: torch.Tensor, w: tuple, out: torch.Tensor, accumulate: bool = False,
+    def _matvec(self, s: _Static, x: torch.Tensor, w: WeightArgs, out: torch.Tensor, accumulate: bool = False,
                 norm: torch.Tensor | None = None, glu: bool = False) -> None:
         from slipstream.kernels.triton.matvec import matvec
 
@@ -145,17 +152,17 @@ class GraphDecoder(BucketedDecoder):
         att = self.configs.attention
         s.x.copy_(m.embed.dequantize(s.tokens))
         for li, (L, Wl) in enumerate(zip(m.layers, self.layers)):
-            self._matvec(s, s.x, Wl["qkv"], s.qkv, norm=L["attn_norm"])
-            if L["qkv"].bias is not None:    # Qwen2's q/k/v biases (in place: capture-safe)
-                s.qkv.add_(L["qkv"].bias)
+            self._matvec(s, s.x, Wl["qkv"], s.qkv, norm=L.attn_norm)
+            if L.qkv.bias is not None:    # Qwen2's q/k/v biases (in place: capture-safe)
+                s.qkv.add_(L.qkv.bias)
             rope_kv_append(s.qkv, s.positions, m.inv_freq, s.slots, self.kv.k[li], self.kv.v[li],
-                           H, KVH, D, q_out=s.q, q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps)
+                           H, KVH, D, q_out=s.q, q_norm=L.q_norm, k_norm=L.k_norm, eps=eps)
             paged_decode_attention(s.q, self.kv.k[li], self.kv.v[li], s.block_tables, s.context,
                                    s.max_context, block_size=self.kv.block_size,
                                    partition=att["partition"], block_n=att["block_n"], out=s.attn,
                                    workspace=s.attn_ws)
             self._matvec(s, s.attn.view(B, H * D), Wl["o"], s.x, accumulate=True)
-            self._matvec(s, s.x, Wl["gate_up"], s.act, norm=L["ffn_norm"], glu=True)
+            self._matvec(s, s.x, Wl["gate_up"], s.act, norm=L.ffn_norm, glu=True)
             self._matvec(s, s.act, Wl["down"], s.x, accumulate=True)
         self._matvec(s, s.x, self.lm_head, s.logits, norm=m.norm)
         greedy(s.logits, out=s.next_tokens)

@@ -28,13 +28,24 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer   # only called when PROFILE (a GPU)
+from triton.language.extra.cuda import globaltimer  # only called when PROFILE (a GPU)
 
 from slipstream.kv.blocks import PagedKVCache
-from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.models.llama import LlamaModel
 from slipstream.runtime.buckets import BucketedDecoder
-from slipstream.runtime.plan import (Op, Plan, TileConfig, compile_plan, fill_inputs, new_buffers,
-                                     pack_weights, share_weights, supports, validate)
+from slipstream.runtime.plan import (
+    Op,
+    Plan,
+    TileConfig,
+    compile_plan,
+    fill_inputs,
+    new_buffers,
+    pack_weights,
+    share_weights,
+    supports,
+    validate,
+)
+from slipstream.step import StepInput
 
 
 class MegakernelError(RuntimeError):
@@ -208,7 +219,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                             tl.store(k_dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=k_keep)
                     else:
                         v_keep = (b_mask & (slot >= 0))[:, None]
-                        v_dst = v_ptr + ((layer * num_slots + slot) * KVH + (t0 - H - KVH))[:, None] * D + offs_h[None, :]
+                        v_row = (layer * num_slots + slot) * KVH + (t0 - H - KVH)
+                        v_dst = v_ptr + v_row[:, None] * D + offs_h[None, :]
                         tl.store(v_dst, y1.to(v_ptr.dtype.element_ty), mask=v_keep)
                         tl.store(v_dst + HALF, y2.to(v_ptr.dtype.element_ty), mask=v_keep)
                 elif op == 2:   # ATTN_SPLIT: kv head t0, tokens [t1*P, (t1+1)*P) of every sequence
@@ -229,8 +241,10 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                             t_mask = t < end
                             blk = tl.load(I_ptr + BT_OFF + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=t_mask, other=0)
                             kv_off = ((blk * BLOCK_SIZE + t % BLOCK_SIZE) * KVH + t0)[:, None] * D + offs_d[None, :]
-                            kk = tl.load(lk + kv_off, mask=t_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                            vv = tl.load(lv + kv_off, mask=t_mask[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                            kk = tl.load(lk + kv_off, mask=t_mask[:, None], other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
+                            vv = tl.load(lv + kv_off, mask=t_mask[:, None], other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
                             sc = tl.sum(q[:, None, :] * kk[None, :, :], axis=2)
                             sc = tl.where(t_mask[None, :], sc, float("-inf"))
                             m_new = tl.maximum(m, tl.max(sc, axis=1))
@@ -442,7 +456,8 @@ def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", prof
     ahead-of-time compiler without a GPU (its `.asm` holds "ptx" and "cubin"). Must run without
     TRITON_INTERPRET (the interpreter replaces the JIT functions)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
 
     const = {**kernel_constants(plan), "PROFILE": profile, "PREFETCH": prefetch}
     w = f"*{weight_dtype}"
@@ -535,6 +550,11 @@ class MegakernelDecoder(BucketedDecoder):
                             if self.device.type == "cuda" else 2)
         self.num_programs = num_programs
         self.block_k, self.num_warps, self.prefetch = block_k, num_warps, prefetch
+
+    @classmethod
+    def unsupported(cls, model) -> str | None:
+        why = supports(model)
+        return None if why is None else f"the megakernel runtime cannot run this model: {why}"
 
     def _usable(self, plan: Plan, context: int) -> bool:
         """A precompiled plan fits if it was built for this model's layout, this cache's block size

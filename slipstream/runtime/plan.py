@@ -34,7 +34,8 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.kv.blocks import block_ids
-from slipstream.models.llama import LlamaModel, StepInput
+from slipstream.models.llama import LlamaModel
+from slipstream.step import StepInput
 from slipstream.weights.quant import Linear
 
 # -- the task table ---------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ class Plan:
 
 
 def _plain(value: Any) -> Any:
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
 
 
 def _span_text(counts: list[int]) -> str:
@@ -367,9 +368,9 @@ def supports(model: Any) -> str | None:
     if not isinstance(model, LlamaModel):
         return f"needs a Llama-family model, got {type(model).__name__}"
     for i, layer in enumerate(model.layers):
-        if layer["qkv"].bias is not None:
+        if layer.qkv.bias is not None:
             return f"layer {i} has q/k/v biases"
-        if layer["q_norm"] is not None or layer["k_norm"] is not None:
+        if layer.q_norm is not None or layer.k_norm is not None:
             return f"layer {i} has q/k norms"
     D = model.cfg.head_dim
     if D & (D - 1):
@@ -397,7 +398,7 @@ def pack_weights(model: LlamaModel, dtype: torch.dtype = torch.float32,
         W[offset:offset + t.numel()].copy_(t.reshape(-1))
     for offsets, layer in zip(layout.layers, model.layers):
         for name in LAYER_WEIGHTS:
-            put(offsets[name], name, layer[name])
+            put(offsets[name], name, getattr(layer, name))
     put(layout.norm, "norm", model.norm)
     put(layout.lm_head, "lm_head", model.lm_head)
     if not layout.tied:
@@ -409,7 +410,7 @@ def share_weights(model: LlamaModel, W: torch.Tensor, layout: WeightLayout) -> b
     """Points the model's dense matrices at their copies in `W`, so that the eager step (prefill)
     and the megakernel read one copy of the weights instead of two (16 GB saved at dense-8B).
     Packed or differently typed weights are left alone (False)."""
-    mats = [(L[name], offs[name]) for L, offs in zip(model.layers, layout.layers)
+    mats = [(getattr(L, name), offs[name]) for L, offs in zip(model.layers, layout.layers)
             for name in ("qkv", "o", "gate_up", "down")]
     mats.append((model.lm_head, layout.lm_head))
     if not layout.tied:
@@ -510,7 +511,7 @@ def _bounds(plan: Plan, op: Op) -> int:
             Op.LM_HEAD: plan.vocab_size, Op.ARGMAX: plan.vocab_size}[op]
 
 
-def _expected_offsets(plan: Plan, op: Op, layer: int) -> tuple[int, int]:
+def _expected_offsets(plan: Plan, op: Op, layer: int) -> tuple[int | None, int | None]:
     """(W_OFF, N_OFF) that a task of `op` in `layer` must carry."""
     wl = plan.weights
     lw = wl.layers[layer] if op in LAYER_OPS else {}
@@ -693,6 +694,7 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
     if op == Op.EMBED:
         return [], [(x, t0, t1)]
     if op == Op.QKV_ROPE:
+        out: tuple[tuple, int, int]
         if t0 < H:
             out = (("q",), t0, t0 + 1)
         elif t0 < H + KVH:

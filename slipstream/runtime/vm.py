@@ -7,16 +7,35 @@ a plan shows up here as a wrong logit or a failed wait. All arithmetic is float3
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from slipstream.kv.blocks import PagedKVCache
-from slipstream.models.llama import LlamaModel, StepInput
-from slipstream.runtime.plan import (LAYER, N_OFF, OP, SIG_EV, T0, T1, W_OFF, WAIT_COUNT, WAIT_EV, Op, Plan,
-                                     PlanError, TileConfig, compile_plan, describe_task, fill_inputs, new_buffers,
-                                     pack_weights)
+from slipstream.models.llama import LlamaModel
+from slipstream.runtime.plan import (
+    LAYER,
+    N_OFF,
+    OP,
+    SIG_EV,
+    T0,
+    T1,
+    W_OFF,
+    WAIT_COUNT,
+    WAIT_EV,
+    Op,
+    Plan,
+    PlanError,
+    TileConfig,
+    compile_plan,
+    describe_task,
+    fill_inputs,
+    new_buffers,
+    pack_weights,
+    supports,
+)
+from slipstream.step import StepInput
 
 
 class _Views:
@@ -186,11 +205,18 @@ def run_plan(plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: t
 class PlanDecoder:
     """Decode steps of a Llama-family model through plans run by the VM: the same interface as
     `GraphDecoder`. One plan per batch bucket (powers of two up to `max_batch`); a step with fewer
-    sequences is padded with rows that write no KV."""
+    sequences is padded with rows that write no KV. A `Decoder`, not registered: a test reference."""
+
+    name: ClassVar[str] = "vm"
+    device_greedy: ClassVar[bool] = True
+
+    @classmethod
+    def unsupported(cls, model) -> str | None:
+        return supports(model)
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, max_batch: int = 8, max_context: int | None = None,
-                 tiles: TileConfig = TileConfig()):
-        self.model, self.kv, self.max_batch, self.tiles = model, kv, max_batch, tiles
+                 tiles: TileConfig | None = None):
+        self.model, self.kv, self.max_batch, self.tiles = model, kv, max_batch, tiles or TileConfig()
         self.max_context = max_context or min(model.cfg.max_position_embeddings, kv.capacity_tokens)
         self.W, self.layout = pack_weights(model, torch.float32, "cpu")
         self.inv_freq = model.inv_freq.to("cpu", torch.float32)
@@ -211,8 +237,9 @@ class PlanDecoder:
         return self._plans[size]
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> torch.Tensor:
-        """Logits [len(step.logits_rows), V] (float32) of one decode step; greedy tokens in `next_tokens`."""
+    def forward(self, step: StepInput, tokens_only: bool = False) -> torch.Tensor:
+        """Logits [len(step.logits_rows), V] (float32) of one decode step (with `tokens_only` their
+        greedy tokens); the greedy tokens of every row also in `next_tokens`."""
         B = int(step.token_ids.shape[0])
         plan, A, I, E = self.plan_for(B)
         fill_inputs(plan, I, step, self.kv.block_size)
@@ -220,6 +247,8 @@ class PlanDecoder:
         run_plan(plan, self.W, A, I, self.kv.k, self.kv.v, self.inv_freq, E)
         n = plan.ints.next_tokens
         self.next_tokens = I[n:n + B].clone()
+        if tokens_only:
+            return self.next_tokens.index_select(0, step.logits_rows.cpu())
         lo = plan.acts.logits
         logits = A[lo:lo + B * plan.vocab_size].view(B, plan.vocab_size)
         return logits.index_select(0, step.logits_rows.cpu()).clone()

@@ -9,6 +9,7 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
+from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Q4_F32, Linear
 
 try:
@@ -175,19 +176,16 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
         weights["rope_freqs"] = vec("rope_freqs.weight")
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        layer = {
-            "attn_norm": vec(p + "attn_norm.weight"),
-            "ffn_norm": vec(p + "ffn_norm.weight"),
-            "q": lin(p + "attn_q.weight", cfg.num_heads),
-            "k": lin(p + "attn_k.weight", cfg.num_kv_heads),
-            "v": lin(p + "attn_v.weight"),
-            "o": lin(p + "attn_output.weight"),
-            "gate": lin(p + "ffn_gate.weight"),
-            "up": lin(p + "ffn_up.weight"),
-            "down": lin(p + "ffn_down.weight"),
-        }
-        if cfg.qk_norm:
-            layer["q_norm"] = vec(p + "attn_q_norm.weight")
-            layer["k_norm"] = vec(p + "attn_k_norm.weight")
-        weights[f"layers.{i}"] = layer
+        weights[f"layers.{i}"] = LlamaLayer.fuse(
+            attn_norm=vec(p + "attn_norm.weight"),
+            ffn_norm=vec(p + "ffn_norm.weight"),
+            q=lin(p + "attn_q.weight", cfg.num_heads),
+            k=lin(p + "attn_k.weight", cfg.num_kv_heads),
+            v=lin(p + "attn_v.weight"),
+            o=lin(p + "attn_output.weight"),
+            gate=lin(p + "ffn_gate.weight"),
+            up=lin(p + "ffn_up.weight"),
+            down=lin(p + "ffn_down.weight"),
+            q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
+            k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None)
     return cfg, weights, reader

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from slipstream.config import DeepseekConfig, ModelConfig, config_from_hf
 from slipstream.errors import ModelLoadError
+from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear
 
 
@@ -97,18 +98,15 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict
         weights["lm_head"] = lin("lm_head")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        layer = {
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "ffn_norm": get(p + "post_attention_layernorm.weight"),
-            "q": lin(p + "self_attn.q_proj"), "k": lin(p + "self_attn.k_proj"),
-            "v": lin(p + "self_attn.v_proj"), "o": lin(p + "self_attn.o_proj"),
-            "gate": lin(p + "mlp.gate_proj"), "up": lin(p + "mlp.up_proj"),
-            "down": lin(p + "mlp.down_proj"),
-        }
-        if cfg.qk_norm:
-            layer["q_norm"] = get(p + "self_attn.q_norm.weight")
-            layer["k_norm"] = get(p + "self_attn.k_norm.weight")
-        weights[f"layers.{i}"] = layer
+        weights[f"layers.{i}"] = LlamaLayer.fuse(
+            attn_norm=get(p + "input_layernorm.weight"),
+            ffn_norm=get(p + "post_attention_layernorm.weight"),
+            q=lin(p + "self_attn.q_proj"), k=lin(p + "self_attn.k_proj"),
+            v=lin(p + "self_attn.v_proj"), o=lin(p + "self_attn.o_proj"),
+            gate=lin(p + "mlp.gate_proj"), up=lin(p + "mlp.up_proj"),
+            down=lin(p + "mlp.down_proj"),
+            q_norm=get(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=get(p + "self_attn.k_norm.weight") if cfg.qk_norm else None)
     return cfg, weights
 
 

@@ -36,8 +36,8 @@ def test_short_and_serving_against_slipstream_serve(tmp_path):
         assert s["total_input_tokens"] == 3 * 48            # prompts cut to --input-len by /tokenize
         for k in STATS:
             assert s[k]["n"] > 0 and 0 < s[k]["p50"] <= s[k]["p99"]
-        assert 0 < s["ttft_ms"]["mean"] < s["e2el_ms"]["mean"] < 60_000
-        assert 1 < s["output_throughput"] < 10_000           # tokens/s on any CPU
+        assert 0 < s["ttft_ms"]["mean"] < s["e2el_ms"]["mean"]   # no speed asserted: the machine may be loaded
+        assert s["output_throughput"] > 0
         assert s["good_requests"] == 3
         for r in pt["requests"]:
             assert r["output_tokens_source"] == "usage" and r["ok"]

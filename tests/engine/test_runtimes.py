@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from support import skip_unless_default_model  # noqa: E402
 
 from slipstream import LLM, SamplingParams  # noqa: E402
+from slipstream.engine.config import EngineConfig  # noqa: E402
 from slipstream.engine.engine import Engine  # noqa: E402
 from slipstream.engine.request import Request  # noqa: E402
 from slipstream.errors import SlipstreamError  # noqa: E402
@@ -28,19 +29,19 @@ def tokenizer():
 
 def _tokens(runtime: str, tokenizer, logprobs: int | None = None) -> list[list[int]]:
     model = random_llama(shape_config("tiny", vocab_size=512), seed=7)
-    e = Engine(model, tokenizer, runtime=runtime, max_batch=4, kv_cache_tokens=512, block_size=4,
-               max_model_len=128)
+    e = Engine(model, tokenizer, EngineConfig(runtime=runtime, max_batch=4, kv_cache_tokens=512, block_size=4,
+                                              max_model_len=128))
     assert e.runtime_name == runtime
     reqs = [Request(p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs))
             for p, n in zip(PROMPTS, MAX_TOKENS)]
     modes: list[bool] = []
-    if e.runtime is not None:    # record which decode path each step took
+    if e.runtime.name != "eager":    # record which decode path each step took
         forward = e.runtime.forward
         e.runtime.forward = lambda step, tokens_only=False: (modes.append(tokens_only), forward(step, tokens_only))[1]
     for _ in e.run(reqs):
         pass
     assert not e.has_unfinished()
-    if e.runtime is not None:    # greedy rows take the device's argmax unless logprobs need the logits
+    if e.runtime.name != "eager":    # greedy rows take the device's argmax unless logprobs need the logits
         assert modes and all(m == (logprobs is None) for m in modes)
     return [r.output_ids for r in reqs]
 
@@ -61,6 +62,6 @@ def test_gpu_runtimes_refuse_a_cpu_without_the_interpreter(tokenizer, monkeypatc
     monkeypatch.delenv("TRITON_INTERPRET")
     model = random_llama(shape_config("tiny", vocab_size=512), seed=7)
     with pytest.raises(SlipstreamError, match="needs a CUDA GPU"):
-        Engine(model, tokenizer, runtime="graph", kv_cache_tokens=256)
+        Engine(model, tokenizer, EngineConfig(runtime="graph", kv_cache_tokens=256))
     with pytest.raises(ValueError, match="unknown runtime"):
-        Engine(model, tokenizer, runtime="warp", kv_cache_tokens=256)
+        Engine(model, tokenizer, EngineConfig(runtime="warp", kv_cache_tokens=256))

@@ -10,13 +10,13 @@ import torch
 
 from slipstream.engine.sampling import (
     MAX_LOGPROBS,
-    _draw,
     Sampler,
     SamplingParams,
     TokenLogprobs,
     apply_penalties,
     make_generator,
 )
+from slipstream.engine.sampling import draw as draw_index
 
 sampler = Sampler()
 
@@ -241,7 +241,7 @@ def test_draw_matches_weights_and_skips_zeros(n: int) -> None:
     weights[zeros] = 0.0
     tail = float(weights.sum()) - 1.0
     g = make_generator(1)
-    samples = [_draw(weights, g) for _ in range(2000)]
+    samples = [draw_index(weights, g) for _ in range(2000)]
     assert not set(samples) & set(zeros)
     # Conditioned on landing on a heavy id, draws follow the heavy weights (they sum to 1).
     assert_matches([t for t in samples if t in heavy], {t: float(weights[t]) for t in heavy})
@@ -256,7 +256,7 @@ def test_draw_single_positive_weight(n: int, pos: str) -> None:
     t = 0 if pos == "first" else n - 1
     weights[t] = 0.3
     g = make_generator(2)
-    assert {_draw(weights, g) for _ in range(50)} == {t}
+    assert {draw_index(weights, g) for _ in range(50)} == {t}
 
 
 # ------------------------------------------------------------------ seeds and batches

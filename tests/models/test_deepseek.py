@@ -30,7 +30,7 @@ from slipstream.config import DeepseekConfig  # noqa: E402
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache, SequenceKV  # noqa: E402
 from slipstream.models import build_model  # noqa: E402
 from slipstream.models.deepseek import DeepseekModel  # noqa: E402
-from slipstream.models.llama import SeqSlice, StepInput  # noqa: E402
+from slipstream.step import StepBuilder, prefill_step  # noqa: E402
 from slipstream.weights.safetensors import load_hf  # noqa: E402
 from slipstream.errors import SlipstreamError  # noqa: E402
 
@@ -149,20 +149,11 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 def run_step(model, kv, parts: list[tuple[SequenceKV, int, list[int]]], gather: bool = False,
              all_rows: bool = False, **kw):
     """One step over several sequences: (seq, tokens already cached, new tokens) each."""
-    ids, pos, slots, seqs, rows = [], [], [], [], []
-    row = 0
+    b = StepBuilder()
     for seq, start, toks in parts:
-        n = len(toks)
-        seq.reserve(start + n)
-        ids += toks
-        pos.append(torch.arange(start, start + n))
-        slots.append(seq.slots(start, start + n))
-        rng = None if gather else seq.contiguous_range(start + n)
-        seqs.append(SeqSlice(row, n, start + n, rng if rng is not None else seq.slots(0, start + n)))
-        rows.append(torch.arange(row, row + n) if all_rows else torch.tensor([row + n - 1]))
-        row += n
-    step = StepInput(torch.tensor(ids), torch.cat(pos), torch.cat(slots), seqs, torch.cat(rows))
-    return model.forward(step, kv, **kw)
+        seq.reserve(start + len(toks))
+        b.add(seq, toks, start, logits="all" if all_rows else "last", gather=gather)
+    return model.forward(b.build(), kv, **kw)
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
@@ -525,10 +516,7 @@ def test_mtp_layer_matches_its_equations(name: str, tmp_path: Path):
     assert_close(h, h_ref, atol=1e-5)
 
     def mtp_step(start: int, next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
-        m = len(next_tokens)
-        slots = seq.slots(start, start + m)
-        step = StepInput(torch.tensor(next_tokens), torch.arange(start, start + m), slots,
-                         [SeqSlice(0, m, start + m, seq.slots(0, start + m))], torch.arange(m))
+        step = prefill_step(seq, next_tokens, start, logits="all", gather=True)
         out, _ = model.mtp_forward(step, kv, hidden)
         return out
 

@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 from slipstream.config import ModelConfig  # noqa: E402
 from slipstream.errors import ModelLoadError  # noqa: E402
 from slipstream.kv.blocks import PagedKVCache, SequenceKV  # noqa: E402
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from slipstream.models.llama import LlamaModel  # noqa: E402
+from slipstream.step import StepBuilder  # noqa: E402
 from slipstream.weights.safetensors import load_hf  # noqa: E402
 
 VOCAB = 300
@@ -107,27 +108,14 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 
-def read_of(seq: SequenceKV, end: int, gather: bool) -> tuple[int, int] | torch.Tensor:
-    rng = None if gather else seq.contiguous_range(end)
-    return rng if rng is not None else seq.slots(0, end)
-
-
 def run_step(model: LlamaModel, kv: PagedKVCache, parts: list[tuple[SequenceKV, int, list[int]]],
              gather: bool = False, all_rows: bool = False) -> torch.Tensor:
     """One step over several sequences: (seq, tokens already cached, new tokens) each."""
-    ids, pos, slots, seqs, rows = [], [], [], [], []
-    row = 0
+    b = StepBuilder()
     for seq, start, toks in parts:
-        n = len(toks)
-        seq.reserve(start + n)
-        ids += toks
-        pos.append(torch.arange(start, start + n))
-        slots.append(seq.slots(start, start + n))
-        seqs.append(SeqSlice(row, n, start + n, read_of(seq, start + n, gather)))
-        rows.append(torch.arange(row, row + n) if all_rows else torch.tensor([row + n - 1]))
-        row += n
-    step = StepInput(torch.tensor(ids), torch.cat(pos), torch.cat(slots), seqs, torch.cat(rows))
-    return model.forward(step, kv)
+        seq.reserve(start + len(toks))
+        b.add(seq, toks, start, logits="all" if all_rows else "last", gather=gather)
+    return model.forward(b.build(), kv)
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
@@ -456,10 +444,10 @@ def test_gguf_config(tiny_gguf: Tiny):
     if tiny_gguf.name == "packed_tied":  # kept packed in memory, fused QKV / gate+up stay packed
         from slipstream.weights.quant import Q4_0, Q4_1, Q4_F32, Q8_0
         L = m.layers[0]
-        assert (L["qkv"].fmt, L["o"].fmt, L["gate_up"].fmt, L["down"].fmt) == (Q4_0, Q8_0, Q4_1, Q4_F32)
+        assert (L.qkv.fmt, L.o.fmt, L.gate_up.fmt, L.down.fmt) == (Q4_0, Q8_0, Q4_1, Q4_F32)
         assert m.lm_head is m.embed and m.embed.fmt == Q8_0
     else:
-        assert m.lm_head is not m.embed and not m.layers[0]["qkv"].packed
+        assert m.lm_head is not m.embed and not m.layers[0].qkv.packed
 
 
 def test_gguf_prefill_and_decode(tiny_gguf: Tiny):

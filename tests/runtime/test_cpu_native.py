@@ -6,8 +6,9 @@ import torch
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kv.blocks import SequenceKV
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput
+from slipstream.models.llama import LlamaModel
 from slipstream.runtime.cpu_native import NativeDecoder
+from slipstream.step import decode_step, prefill_step
 from slipstream.weights import load_model
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
@@ -20,21 +21,16 @@ def model() -> LlamaModel:
 
 
 def _prefill(model, kv, seq, ids):
-    n = len(ids)
-    seq.reserve(n + 8)
-    step = StepInput(torch.tensor(ids), torch.arange(n), seq.slots(0, n),
-                     [SeqSlice(0, n, n, seq.contiguous_range(n))], torch.tensor([n - 1]))
-    return model.forward(step, kv)
+    seq.reserve(len(ids) + 8)
+    return model.forward(prefill_step(seq, ids), kv)
 
 
 def _decode_step(seqs, tokens, positions):
-    slots = torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)])
-    slices = [SeqSlice(i, 1, p + 1, s.slots(0, p + 1)) for i, (s, p) in enumerate(zip(seqs, positions))]
-    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, slices, torch.arange(len(seqs)))
+    return decode_step(seqs, tokens, positions, gather=True)
 
 
 def test_supported(model):
-    assert NativeDecoder.supports(model)
+    assert NativeDecoder.unsupported(model) is None
 
 
 @pytest.mark.parametrize("prompts", [[[1, 504, 3458, 282, 4649]], [[1, 22, 333], [5, 6, 7, 8, 9, 10, 11], [42]]])

@@ -11,7 +11,7 @@ from support import decode_step, prefill_step  # noqa: E402
 
 from slipstream.kernels.triton.configs import KernelConfigs  # noqa: E402
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import LlamaModel, SeqSlice, StepInput  # noqa: E402
+from slipstream.models.llama import LlamaModel  # noqa: E402
 from slipstream.models.random_init import random_llama, shape_config  # noqa: E402
 from slipstream.runtime.buckets import batch_buckets, context_buckets  # noqa: E402
 from slipstream.runtime.graph import GraphDecoder  # noqa: E402
@@ -85,9 +85,9 @@ def test_qkv_biases_and_qk_norms_are_applied():
     D = model.cfg.head_dim
     g = torch.Generator().manual_seed(0)
     for L in model.layers:
-        L["qkv"].bias = (0.1 * torch.randn(L["qkv"].n, generator=g)).to(DEV)
-        L["q_norm"] = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
-        L["k_norm"] = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+        L.qkv.bias = (0.1 * torch.randn(L.qkv.n, generator=g)).to(DEV)
+        L.q_norm = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+        L.k_norm = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
     _run(model, capture=False, configs=CONFIGS, steps=2)
 
 
@@ -115,9 +115,7 @@ def test_rejects_prefill_and_oversize():
     kv = model.new_kv_cache(16, BLOCK)
     graph = GraphDecoder(model, kv, max_batch=2, max_context=32, capture=False, configs=CONFIGS)
     seq = SequenceKV(kv)
-    seq.reserve(4)
-    step = StepInput(torch.tensor([1, 2]), torch.arange(2), seq.slots(0, 2), [SeqSlice(0, 2, 2, seq.slots(0, 2))],
-                     torch.tensor([1]))
+    step = prefill_step(seq, [1, 2], extra=2)
     with pytest.raises(ValueError, match="one token per sequence"):
         graph.forward(step)
     with pytest.raises(ValueError, match="exceeds the largest"):

@@ -48,7 +48,7 @@ def test_megakernel_matches_vm_and_eager(prompts, prefetch):
                            prefetch=prefetch)
     # the model's matrices now live in the kernel's flat buffer: one copy of the weights
     assert mk.shares_weights
-    assert mk_model.layers[1]["down"].data.untyped_storage().data_ptr() == mk.W.untyped_storage().data_ptr()
+    assert mk_model.layers[1].down.data.untyped_storage().data_ptr() == mk.W.untyped_storage().data_ptr()
     seqs = {name: [SequenceKV(kv) for _ in prompts] for name, kv in caches.items()}
     seqs["mk"][0].reserve(5)    # another block layout: the megakernel's block tables differ
     tokens = [_prefill(model, caches["eager"], s, p) for s, p in zip(seqs["eager"], prompts)]
@@ -120,7 +120,7 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
 def test_unsupported_models_are_refused():
     cfg = shape_config("tiny")
     model = random_llama(cfg, seed=13)
-    model.layers[0]["q_norm"] = torch.ones(cfg.head_dim)
+    model.layers[0].q_norm = torch.ones(cfg.head_dim)
     with pytest.raises(ValueError, match="norm"):
         MegakernelDecoder(model, model.new_kv_cache(8, BLOCK), max_batch=1, max_context=16)
 

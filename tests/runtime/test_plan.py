@@ -10,7 +10,7 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.kv.blocks import SequenceKV
-from slipstream.models.llama import SeqSlice, StepInput
+from slipstream.step import StepInput, decode_step, prefill_step
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime.plan import (LAYER, OP, T0, T1, WAIT_COUNT, WAIT_EV, Op, Plan, PlanError, TileConfig,
                                      WeightLayout, compile_plan, fill_inputs, new_buffers, pack_weights, supports,
@@ -181,8 +181,8 @@ def test_pack_weights_layout(tied):
     Hd = cfg.hidden_size
     L1 = layout.layers[1]
     gu = W[L1["gate_up"]:L1["gate_up"] + 2 * cfg.intermediate_size * Hd].view(-1, Hd)
-    assert torch.equal(gu, model.layers[1]["gate_up"].dequantize())
-    assert torch.equal(W[L1["ffn_norm"]:L1["ffn_norm"] + Hd], model.layers[1]["ffn_norm"])
+    assert torch.equal(gu, model.layers[1].gate_up.dequantize())
+    assert torch.equal(W[L1["ffn_norm"]:L1["ffn_norm"] + Hd], model.layers[1].ffn_norm)
     assert torch.equal(W[layout.embed:layout.embed + cfg.vocab_size * Hd].view(-1, Hd), model.embed.dequantize())
     assert torch.equal(W[layout.norm:layout.norm + Hd], model.norm)
     assert layout.layers[0]["attn_norm"] == 0
@@ -192,11 +192,11 @@ def test_pack_weights_layout(tied):
 def test_supports():
     assert supports(random_llama(shape_config("tiny"))) is None
     model = random_llama(shape_config("tiny"))
-    qkv = model.layers[1]["qkv"]
-    model.layers[1]["qkv"] = Linear.dense(qkv.data, torch.zeros(qkv.n))
+    qkv = model.layers[1].qkv
+    model.layers[1].qkv = Linear.dense(qkv.data, torch.zeros(qkv.n))
     assert "bias" in supports(model)
     model = random_llama(shape_config("tiny"))
-    model.layers[0]["q_norm"] = torch.ones(model.cfg.head_dim)
+    model.layers[0].q_norm = torch.ones(model.cfg.head_dim)
     assert "norm" in supports(model)
     model = random_llama(shape_config("tiny"))
     model.inv_freq = model.inv_freq[:4]
@@ -207,19 +207,14 @@ def test_supports():
 
 # -- the VM against the eager step ----------------------------------------------------------------
 def _prefill(model, kv, seq: SequenceKV, prompt: list[int]) -> torch.Tensor:
-    n = len(prompt)
-    seq.reserve(n)
-    step = StepInput(torch.tensor(prompt), torch.arange(n), seq.slots(0, n), [SeqSlice(0, n, n, seq.read_slots(n))],
-                     torch.tensor([n - 1]))
-    return model.forward(step, kv)
+    seq.reserve(len(prompt))
+    return model.forward(prefill_step(seq, prompt), kv)
 
 
 def _decode_step(seqs: list[SequenceKV], tokens: list[int], positions: list[int]) -> StepInput:
     for s, q in zip(seqs, positions):
         s.reserve(q + 1)
-    slots = torch.cat([s.slots(q, q + 1) for s, q in zip(seqs, positions)])
-    sl = [SeqSlice(i, 1, q + 1, s.read_slots(q + 1)) for i, (s, q) in enumerate(zip(seqs, positions))]
-    return StepInput(torch.tensor(tokens), torch.tensor(positions), slots, sl, torch.arange(len(seqs)))
+    return decode_step(seqs, tokens, positions)
 
 
 @pytest.mark.parametrize("prompt_lens", [[14], [3, 14, 30]])
