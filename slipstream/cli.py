@@ -68,17 +68,43 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (default: $SLIPSTREAM_API_KEY; none if unset)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version; "
+                        "the environment variable SLIPSTREAM_API_KEY sets it too (the flag wins). With neither the "
+                        "API is open to whoever can reach the address; an empty key is an error")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL's)")
     s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="most requests queued for a batch slot; past it requests get 503")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    s.add_argument("--prefill-budget", type=int, default=64,
+                   help="prompt tokens in a step that also decodes: bounds how long a running stream waits "
+                        "behind a burst of new prompts (default 64; = --prefill-chunk for no bound)")
     s.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens")
     s.add_argument("--drain-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true", help="do not log each HTTP request")
+    h = s.add_argument_group("limits and security of the HTTP server")
+    h.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME",
+                   help="Host header names accepted besides the bound address (repeatable or comma-separated; "
+                        "'*' accepts any). Guards against DNS rebinding")
+    h.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="answer cross-origin requests from ORIGIN (repeatable; '*' for any). Default: no CORS")
+    h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)")
+    h.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt or conversation in characters (default: 32 x the context length)")
+    h.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string")
+    h.add_argument("--max-choices", type=int, default=128, help="most choices (n x prompts) in one request")
+    h.add_argument("--max-json-depth", type=int, default=32, help="deepest nesting of a JSON body")
+    h.add_argument("--http-workers", type=int, default=2,
+                   help="threads that parse, template and tokenize requests off the event loop")
+    h.add_argument("--max-queued-jobs", type=int, default=64,
+                   help="requests waiting for such a thread; past it requests get 503 with Retry-After")
+    h.add_argument("--header-timeout", type=float, default=10.0, help="seconds a client has to send its headers")
+    h.add_argument("--body-timeout", type=float, default=30.0, help="seconds a client has to send its body")
+    h.add_argument("--idle-timeout", type=float, default=5.0, help="seconds an idle keep-alive connection stays open")
+    h.add_argument("--max-connections", type=int, default=1024,
+                   help="most open connections; past it new ones get 503 and are closed")
 
     k = sub.add_parser("compile", help="write an ahead-of-time artifact that serve/generate/chat load directly")
     k.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
@@ -112,7 +138,8 @@ def _engine_config(args: argparse.Namespace):
     from slipstream.weights import resolve_model
 
     resolve_model(args.model)
-    opts = {k: getattr(args, k) for k in ("max_batch", "max_waiting", "prefill_chunk", "kv_cache_tokens")
+    opts = {k: getattr(args, k) for k in ("max_batch", "max_waiting", "prefill_chunk", "kv_cache_tokens",
+                                          "prefill_budget")
             if hasattr(args, k)}
     return EngineConfig(max_model_len=args.max_model_len, runtime=args.runtime, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens, exact=args.exact, **opts)
@@ -214,18 +241,46 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"\n[{len(last.request.output_ids) if last else 0} tokens, TTFT {ttft}, {speed}]", file=sys.stderr)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def _server_config(args: argparse.Namespace):
+    """The HTTP server's settings from the flags (and SLIPSTREAM_API_KEY), validated before loading."""
     import os
+
+    from slipstream.server.config import ServerConfig
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SLIPSTREAM_API_KEY")
+    if api_key is not None and not api_key.strip():
+        where = "--api-key" if args.api_key is not None else "SLIPSTREAM_API_KEY"
+        raise SlipstreamError(f"{where} is empty: give a non-empty key, or unset it to serve an open API")
+
+    def names(values: list[str] | None) -> tuple[str, ...]:
+        return tuple(v.strip() for arg in values or [] for v in arg.split(",") if v.strip())
+
+    return ServerConfig(
+        api_key=api_key, served_model_name=args.served_model_name, cors_origins=names(args.cors_origin), max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars, max_stop_chars=args.max_stop_chars, max_choices=args.max_choices,
+        max_json_depth=args.max_json_depth, workers=args.http_workers, max_queued_jobs=args.max_queued_jobs,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections, drain_timeout=args.drain_timeout)
+
+
+def _api_access_line(config, host: str, port: int) -> str:
+    if config.api_key:
+        return "API key required (Authorization: Bearer KEY)"
+    return f"API OPEN: no API key, anyone who can reach {host}:{port} can use it (set --api-key or SLIPSTREAM_API_KEY)"
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
     import socket
 
     if not 0 <= args.port <= 65535:
         raise SlipstreamError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_batch", "max_waiting", "prefill_chunk"):
+    for name in ("max_batch", "max_waiting", "prefill_chunk"):   # the flag's own name in the message
         if getattr(args, name) < 1:
             raise SlipstreamError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     config = _engine_config(args)
     if args.drain_timeout is not None and args.drain_timeout < 0:
         raise SlipstreamError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    server_config = _server_config(args)
     try:   # fail before loading the model if the address is taken
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -240,7 +295,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               f"pip install fastapi uvicorn prometheus-client") from None
     from slipstream.api import LLM
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("SLIPSTREAM_API_KEY") or None
     t0 = time.perf_counter()
     from slipstream.server.async_engine import build_off_main_thread
 
@@ -250,9 +304,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _progress("")
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
-          f"{' (API key required)' if api_key else ''}", file=sys.stderr, flush=True)
-    run_server(llm, host=args.host, port=args.port, api_key=api_key, served_model_name=args.served_model_name,
-               log_level=args.log_level, access_log=not args.no_access_log, drain_timeout=args.drain_timeout)
+          f"; {_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
+    run_server(llm, server_config, host=args.host, port=args.port, log_level=args.log_level,
+               access_log=not args.no_access_log,
+               allowed_hosts=tuple(h.strip() for a in args.allowed_hosts or [] for h in a.split(",") if h.strip()))
     return 0
 
 

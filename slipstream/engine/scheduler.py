@@ -8,7 +8,10 @@ Every step the scheduler
    (recompute: its blocks are released, it goes back to the queue keeping its output, and the
    prefix cache usually hands most of its blocks back on re-admission) when blocks run out;
 3. hands out a budget of `prefill_chunk` prompt tokens to prefilling requests, so that a long
-   prompt is computed over several steps while the running decodes keep producing tokens.
+   prompt is computed over several steps while the running decodes keep producing tokens; in a
+   step that also decodes, the budget (and the chunk) is `prefill_budget` when that is smaller, so
+   a running stream never waits behind more than `prefill_budget` prompt tokens per token it gets
+   (chunked-prefill fairness, as vLLM's and SGLang's per-step token budgets).
 
 Blocks are allocated on demand (prompt chunk by chunk, a block per `block_size` generated tokens),
 not reserved up front, so the batch can hold as many sequences as their real lengths allow.
@@ -45,6 +48,7 @@ class Scheduler:
         self.config = config                       # validated: max_batch, prefill_chunk >= 1
         self.max_batch = config.max_batch
         self.prefill_chunk = config.prefill_chunk
+        self.prefill_budget = getattr(config, "prefill_budget", None)
         self.max_waiting = config.max_waiting
         self.waiting: list[Request] = []   # sorted by Request.order
         self.running: list[Request] = []
@@ -159,14 +163,19 @@ class Scheduler:
     def _plan_prefill(self, plan: StepPlan) -> None:
         """Whole chunks only: a prompt is always cut at the same places (multiples of the chunk
         size after its cached prefix) whatever else runs, so its numbers do not depend on the batch.
-        The best-placed request always gets its chunk; others join while the budget lasts."""
-        budget = self.prefill_chunk
+        The best-placed request always gets its chunk; others join while the budget lasts. In a step
+        that decodes, the chunk is `prefill_budget` when that is smaller (then where a prompt is cut
+        depends on whether something was decoding)."""
+        chunk = self.prefill_chunk
+        if plan.decode and self.prefill_budget is not None:
+            chunk = min(chunk, self.prefill_budget)
+        budget = chunk
         bs = self.kv.block_size
         for r in sorted((r for r in self.running if self.is_prefilling(r)), key=lambda r: r.order):
             if any(p[0] is r for p in plan.prefill):
                 continue
             start = r.kv.num_tokens
-            end = start + min(r.prefill_target - start, self.prefill_chunk)
+            end = start + min(r.prefill_target - start, chunk)
             if end - start > budget:
                 continue
             room = (len(r.kv.block_table) + self.alloc.num_free) * bs   # tokens it could hold now

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Sequence, TypeVar, Union
 
 from slipstream.engine.request import Request
 from slipstream.engine.sampling import SamplingParams, TokenLogprobs
@@ -156,6 +156,33 @@ class RequestStream:
             self._owner._stream_done()
 
 
+# -- the engine thread's inbox: typed messages -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Submit:
+    """Add a submission's requests to the engine (all or none); settle `future` when done."""
+
+    stream: RequestStream
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop requests (unknown or finished ids are ignored)."""
+
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CutAll:
+    """End every running request now: each open stream gets `EngineDrainingError(reason)`."""
+
+    reason: str
+
+
+Message = Union[Submit, Abort, CutAll]
+
+
 @dataclass
 class _Live:
     """Engine-thread bookkeeping of one running request."""
@@ -175,8 +202,8 @@ class AsyncEngine:
         self.metrics = metrics
         self._name = name
         self._cond = threading.Condition()
-        self._inbox: list[tuple] = []
-        self._batch: list[tuple] = []               # commands taken from the inbox, not yet done
+        self._inbox: list[Message] = []
+        self._batch: list[Message] = []             # messages taken from the inbox, not yet done
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -248,7 +275,7 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDrainingError("the server is shutting down and takes no new requests")
         if not self.is_running:
-            raise EngineFailedError(f"the engine is not running ({self.failure or 'stopped'})")
+            raise EngineFailedError("the engine is not running")
         if not items:
             raise ValueError("nothing to submit")
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -259,7 +286,7 @@ class AsyncEngine:
         assert self._idle is not None and self._loop is not None
         self._idle.clear()
         fut: asyncio.Future[None] = self._loop.create_future()
-        self._post(("submit", stream, fut))
+        self._post(Submit(stream, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -285,7 +312,11 @@ class AsyncEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         """Drop requests (thread-safe); unknown or finished ids are ignored."""
         if request_ids:
-            self._post(("abort", list(request_ids)))
+            self._post(Abort(tuple(request_ids)))
+
+    def cut_all(self, reason: str = "the server shut down before the request finished") -> None:
+        """End every running request now (thread-safe): its stream gets an EngineDrainingError."""
+        self._post(CutAll(reason))
 
     def stats(self) -> Any:
         """The engine's stats as of its last step (EngineStats), or None before the first."""
@@ -296,14 +327,14 @@ class AsyncEngine:
         if self._inflight == 0 and self._idle is not None:
             self._idle.set()
 
-    def _post(self, cmd: tuple) -> None:
+    def _post(self, msg: Message) -> None:
         with self._cond:
             if not self._stop:
-                self._inbox.append(cmd)
+                self._inbox.append(msg)
                 self._cond.notify()
                 return
-        if cmd[0] == "submit":   # nobody reads the inbox any more: answer now instead of never
-            self._call_soon(_settle, cmd[2], EngineFailedError(f"the engine is not running ({self.failure or 'stopped'})"))
+        if isinstance(msg, Submit):   # nobody reads the inbox any more: answer now instead of never
+            self._call_soon(_settle, msg.future, EngineFailedError("the engine is not running"))
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -312,14 +343,14 @@ class AsyncEngine:
         except BaseException as e:  # a bug: fail whatever is running, keep the process up
             log.exception("the engine thread failed")
             self.failure = e
-            err = EngineFailedError(f"the engine thread failed: {e!r}")
+            err = EngineFailedError("the engine failed (a bug; the server log has the details)")
             with self._cond:
                 self._stop = True
                 unread, self._inbox = self._batch + self._inbox, []
             self._fail_all(err)
-            for cmd in unread:   # submissions taken but not processed: their callers must hear of it
-                if cmd[0] == "submit":
-                    self._call_soon(_settle, cmd[2], err)
+            for msg in unread:   # submissions taken but not processed: their callers must hear of it
+                if isinstance(msg, Submit):
+                    self._call_soon(_settle, msg.future, err)
 
     def _loop_forever(self) -> None:
         engine = self.engine
@@ -334,28 +365,29 @@ class AsyncEngine:
                 stop = self._stop
             deliveries: list[tuple[RequestStream, StreamEvent | BaseException]] = []
             while self._batch:
-                cmd = self._batch[0]
-                if cmd[0] == "submit":
-                    self._add(cmd[1], cmd[2])
+                msg = self._batch[0]
+                if isinstance(msg, Submit):
+                    self._add(msg.stream, msg.future)
+                elif isinstance(msg, Abort):
+                    self._abort(list(msg.request_ids))
                 else:
-                    self._abort(cmd[1])
+                    deliveries += self._cut(msg.reason)
                 self._batch.pop(0)
             if stop:   # whatever is still running is cut off (drain first to avoid that)
-                err = EngineDrainingError("the server shut down before the request finished")
-                cut = [(live.stream, err) for live in self._live.values()]
-                self._abort(list(self._live))
+                deliveries += self._cut("the server shut down before the request finished")
                 self._snapshot_stats()
-                if cut:
-                    self._deliver(cut)
+                if deliveries:
+                    self._deliver(deliveries)
                 return
             backoff = False
             if engine.has_unfinished():
                 t0 = time.perf_counter()
                 try:
                     events = engine.step()
-                except Exception as e:
+                except Exception:
                     log.exception("engine step failed")
-                    err = EngineFailedError(f"the engine failed while generating: {e!r}")
+                    err = EngineFailedError("the engine failed while generating (a bug; the server log has "
+                                            "the details)")
                     for rid, live in list(self._live.items()):
                         deliveries.append((live.stream, err))
                         self._safe_abort(rid)
@@ -383,6 +415,13 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.on_admitted(len(r.prompt_ids))
         self._call_soon(_settle, fut, None)
+
+    def _cut(self, reason: str) -> list[tuple[RequestStream, StreamEvent | BaseException]]:
+        err = EngineDrainingError(reason)
+        cut: list[tuple[RequestStream, StreamEvent | BaseException]] = [
+            (live.stream, err) for live in self._live.values()]
+        self._abort(list(self._live))
+        return cut
 
     def _abort(self, request_ids: list[str]) -> None:
         now = time.perf_counter()

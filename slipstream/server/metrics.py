@@ -93,7 +93,7 @@ class ServerMetrics:
                                        ["finished_reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(reason)
-        r.register(_EngineStatsCollector(stats))  # type: ignore[arg-type]
+        r.register(_EngineStatsCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

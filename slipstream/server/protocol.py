@@ -5,6 +5,8 @@ integer), unknown fields are rejected ("Unrecognized request argument supplied: 
 problem becomes a 400 naming the parameter. vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, priority) are accepted at the top level.
 Responses are built as plain dicts by the app (they are written once per token when streaming).
+
+Every error carries a stable `code` a client can branch on (see `ERROR_CODES`).
 """
 from __future__ import annotations
 
@@ -15,23 +17,36 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from slipstream.engine.sampling import MAX_LOGPROBS
 
-MAX_STOP_SEQUENCES = 4          # as OpenAI
 MAX_N = 128                     # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5     # the legacy completions API's limit
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+# the stable `code` of every error the server returns, with its HTTP status
+ERROR_CODES = {
+    "invalid_json": 400, "json_too_deep": 400, "invalid_encoding": 400, "invalid_type": 400,
+    "invalid_value": 400, "missing_required_parameter": 400, "unknown_parameter": 400,
+    "unsupported_parameter": 400, "context_length_exceeded": 400, "prompt_too_long": 400,
+    "too_many_choices": 400, "invalid_api_key": 401, "host_not_allowed": 400, "not_found": 404,
+    "model_not_found": 404, "method_not_allowed": 405, "request_timeout": 408,
+    "request_too_large": 413, "unsupported_media_type": 415, "internal_error": 500,
+    "queue_full": 503, "server_busy": 503, "server_shutting_down": 503, "too_many_connections": 503,
+    "engine_unavailable": 503,
+}
 
 
 class APIError(Exception):
     """An error returned to the client as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -42,8 +57,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str, code: str, retry_after_s: int = 1) -> APIError:
+    """A 503 for a condition that passes: the client may retry after `retry_after_s`."""
+    return APIError(503, message, "server_error", None, code, {"Retry-After": str(retry_after_s)})
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -106,7 +126,7 @@ class _SamplingRequest(_Strict):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None   # count and length: the server's limits
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -126,7 +146,7 @@ class _SamplingRequest(_Strict):
             raise _FieldError("stream_options", "The 'stream_options' parameter is only allowed when "
                                                 "'stream' is enabled.")
         if self.logit_bias:
-            raise _FieldError("logit_bias", "logit_bias is not supported")
+            raise _FieldError("logit_bias", "logit_bias is not supported", "unsupported_parameter")
         return self
 
     @property
@@ -170,11 +190,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise _FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tools:
-            raise _FieldError("tools", "tools (function calling) are not supported")
+            raise _FieldError("tools", "tools (function calling) are not supported", "unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
-            raise _FieldError("tool_choice", "tool_choice is not supported (no tools)")
+            raise _FieldError("tool_choice", "tool_choice is not supported (no tools)", "unsupported_parameter")
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _FieldError("response_format", "only response_format {\"type\": \"text\"} is supported")
+            raise _FieldError("response_format", "only response_format {\"type\": \"text\"} is supported",
+                              "unsupported_parameter")
         return self
 
     @property
@@ -202,11 +223,11 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
         if self.echo:
-            raise _FieldError("echo", "echo is not supported")
+            raise _FieldError("echo", "echo is not supported", "unsupported_parameter")
         if self.suffix:
-            raise _FieldError("suffix", "suffix is not supported")
+            raise _FieldError("suffix", "suffix is not supported", "unsupported_parameter")
         if self.best_of not in (None, 1):
-            raise _FieldError("best_of", "best_of > 1 is not supported")
+            raise _FieldError("best_of", "best_of > 1 is not supported", "unsupported_parameter")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -215,7 +236,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
+            return [p]
         return list(p)  # type: ignore[arg-type]
 
 
@@ -243,10 +264,11 @@ class DetokenizeRequest(_Strict):
 class _FieldError(ValueError):
     """A cross-field check's failure, naming its parameter."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
         self.message = message
+        self.code = code
 
 
 def _param_name(loc: tuple) -> str:
@@ -272,7 +294,7 @@ def _format_errors(exc: ValidationError, model: type[BaseModel]) -> APIError:
     for e in errors:  # our own cross-field checks carry their parameter
         ctx_err = (e.get("ctx") or {}).get("error")
         if isinstance(ctx_err, _FieldError):
-            return bad_request(ctx_err.message, ctx_err.param)
+            return bad_request(ctx_err.message, ctx_err.param, ctx_err.code)
     # of a union's per-member errors, a broken constraint says more than a wrong type
     first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     locs = [_clean_loc(tuple(e["loc"])) for e in errors]
@@ -285,16 +307,17 @@ def _format_errors(exc: ValidationError, model: type[BaseModel]) -> APIError:
         loc = loc[:n]
     param = _param_name(loc) or None
     if first["type"] == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {param}", param)
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
     if first["type"] == "missing":
-        return bad_request(f"Missing required parameter: '{param}'.", param)
+        return bad_request(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     msg = first["msg"].removeprefix("Value error, ")
     if len(errors) > 1 and all(e["type"].endswith("_type") for e in errors):
         msg = "Input has the wrong type"
     got = first.get("input")
     shown = "" if first["type"] in ("too_short", "too_long") or isinstance(got, (dict, list)) else \
         f" (got {json.dumps(got)[:100]})" if _jsonable(got) else ""
-    return bad_request(f"Invalid value for '{param}': {msg}{shown}" if param else msg, param)
+    code = "invalid_type" if first["type"].endswith("_type") else "invalid_value"
+    return bad_request(f"Invalid value for '{param}': {msg}{shown}" if param else msg, param, code)
 
 
 def _jsonable(x: Any) -> bool:
@@ -305,19 +328,52 @@ def _jsonable(x: Any) -> bool:
         return False
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400."""
+def parse_body(raw: bytes, max_depth: int = 32) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400: not JSON, nested deeper than `max_depth`, or
+    holding a string that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"The JSON body is nested too deeply (the limit is {max_depth} levels).", None,
+                          "json_too_deep") from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise bad_request(f"We could not parse the JSON body of your request: {e}") from None
+        raise bad_request(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
-        raise bad_request("The request body must be a JSON object.")
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    _check_tree(data, max_depth)
     return data
 
 
-def parse_request(model: type[BaseModel], raw: bytes) -> Any:
-    data = parse_body(raw)
+def _check_tree(data: Any, max_depth: int) -> None:
+    """Depth and string encoding of a parsed body, iteratively (no recursion on hostile input)."""
+    stack: list[tuple[Any, int, tuple]] = [(data, 1, ())]
+    while stack:
+        node, depth, loc = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    param = _param_name(loc) or None
+                    raise bad_request(f"Invalid value for '{param}': the string holds a lone UTF-16 surrogate, "
+                                      "which is not valid Unicode" if param else
+                                      "A key of the body holds a lone UTF-16 surrogate", param,
+                                      "invalid_encoding") from None
+            continue
+        if isinstance(node, (dict, list)):
+            if depth > max_depth:
+                raise bad_request(f"The JSON body is nested too deeply (the limit is {max_depth} levels).",
+                                  None, "json_too_deep")
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    stack.append((k, depth, loc))
+                    stack.append((v, depth + 1, loc + (k,)))
+            else:
+                stack.extend((v, depth + 1, loc + (i,)) for i, v in enumerate(node))
+
+
+def parse_request(model: type[BaseModel], raw: bytes, max_depth: int = 32) -> Any:
+    data = parse_body(raw, max_depth)
     try:
         return model.model_validate(data)
     except ValidationError as e:

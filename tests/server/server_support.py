@@ -95,3 +95,44 @@ class ServerProcess:
         self._log.close()
 
 
+
+
+class ThreadedServer:
+    """An app over the fake engine (tests/server/fake_engine.py) served by uvicorn with the server's own
+    connection protocol on 127.0.0.1, in a thread of this process: real sockets and HTTP, no model."""
+
+    def __init__(self, config=None, engine=None, host: str = "127.0.0.1", allowed_hosts: tuple[str, ...] = ()):
+        import threading
+        from dataclasses import replace
+
+        import uvicorn
+        from fake_engine import FakeLLM
+
+        from slipstream.server.app import build_app
+        from slipstream.server.config import ServerConfig, default_allowed_hosts
+        from slipstream.server.http import protocol_class
+
+        config = config or ServerConfig()
+        if config.allowed_hosts is None:
+            config = replace(config, allowed_hosts=default_allowed_hosts(host, allowed_hosts))
+        self.config = config
+        self.llm = FakeLLM(engine)
+        self.app = build_app(self.llm, config)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host=host, port=self.port, log_level="warning", access_log=False, lifespan="on",
+            http=protocol_class(config), timeout_keep_alive=config.idle_timeout, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ThreadedServer":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            assert time.monotonic() - t0 < 30, "the threaded server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)

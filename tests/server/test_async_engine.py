@@ -153,9 +153,10 @@ async def test_failed_step_fails_its_requests_not_the_thread():
     fake = FakeEngine(fail_at_step=2)
     ae, _ = await _started(fake)
     try:
-        with pytest.raises(EngineFailedError, match="boom"):
+        with pytest.raises(EngineFailedError, match="engine failed") as e:
             async for _ in ae.generate([1], _params(5)):
                 pass
+        assert "boom" not in str(e.value), "internal exception text must not reach a client"
         assert ae.is_running
         assert [ev.text async for ev in ae.generate([1], _params(2))] == ["t1 ", "t2 "]
     finally:
@@ -181,3 +182,21 @@ async def test_drain_lets_inflight_finish_and_refuses_new():
     await task
     assert len(got) == 20, "the in-flight request must run to its end"
     assert not ae.is_running
+
+
+async def test_cut_all_ends_running_streams_and_keeps_the_thread():
+    fake = FakeEngine(step_s=0.01)
+    ae, _ = await _started(fake)
+    try:
+        stream = await ae.submit([([1], _params(1000)), ([1], _params(1000))])
+        got = []
+        with pytest.raises(EngineDrainingError, match="cut for the test"):
+            async for ev in stream:
+                got.append(ev)
+                if len(got) == 3:
+                    ae.cut_all("cut for the test")
+        assert not fake.requests, "the cut requests were aborted in the engine"
+        assert ae.is_running and ae.num_inflight == 0
+        assert len([ev async for ev in ae.generate([1], _params(2))]) == 2
+    finally:
+        await ae.shutdown()

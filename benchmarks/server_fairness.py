@@ -1,0 +1,156 @@
+"""Inter-token latency of one stream while a burst of prompts is prefilled (issue 19's fairness check).
+
+One completions stream runs alone for a while (its idle inter-token gaps are measured), then 31
+prompts of 256 tokens each arrive at once; the gaps of the first stream while they are prefilled
+(from the burst until every one of them has its first token) are the "burst" gaps. Each round
+starts a fresh `slipstream serve` (the default model) with the given extra arguments; the median
+over rounds of each statistic is printed and written as JSON.
+
+    .venv/bin/python benchmarks/server_fairness.py --rounds 3 \
+        --variant "before=--prefill-budget 512" --variant "after=--prefill-budget 64" --out result.json
+
+Variants run interleaved (round 1: before, after; round 2: before, after; ...), so load from
+neighbours on a shared machine falls on both alike; take medians over rounds and say so.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+async def _round(base: str, burst: int, prompt_len: int, idle_tokens: int, seed: int) -> dict:
+    times: list[float] = []
+    burst_t0: list[float] = []
+    first_tokens: list[float] = []
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        async def main_stream() -> None:
+            body = {"prompt": "Once upon a time in a quiet village by the sea,", "max_tokens": 1500,
+                    "ignore_eos": True, "stream": True, "temperature": 0}
+            async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter())
+                        if first_tokens and len(first_tokens) == burst and times[-1] > max(first_tokens) + 0.5:
+                            return
+
+        async def one(i: int) -> None:
+            # distinct token-id prompts (no prefix-cache hits): 256 tokens each
+            ids = [(seed * 7919 + i * 131 + k * 17) % 40000 + 100 for k in range(prompt_len)]
+            body = {"prompt": ids, "max_tokens": 8, "ignore_eos": True, "stream": True}
+            async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        first_tokens.append(time.perf_counter())
+                        break
+                async for _ in lines:
+                    pass
+
+        task = asyncio.create_task(main_stream())
+        while len(times) < idle_tokens + 1:
+            if task.done():
+                task.result()
+                raise SystemExit("the first stream ended before the burst")
+            await asyncio.sleep(0.01)
+        burst_t0.append(time.perf_counter())
+        await asyncio.gather(*(one(i) for i in range(burst)))
+        await task
+    t0, t1 = burst_t0[0], max(first_tokens)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    idle = [b - a for a, b in zip(times[1:idle_tokens + 1], times[2:idle_tokens + 1])]
+    during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    return {"idle_itl_p50_ms": 1e3 * statistics.median(idle), "burst_itl_p50_ms": 1e3 * statistics.median(during),
+            "burst_itl_p99_ms": 1e3 * _pct(during, 99), "burst_itl_max_ms": 1e3 * max(during),
+            "burst_prefill_s": t1 - t0, "burst_gaps": len(during), "all_gaps": len(gaps)}
+
+
+def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "slipstream", "serve", "--port", str(port), "--no-access-log",
+                             "--max-model-len", "2048", *extra], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 300:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("the server did not come up")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=31)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--idle-tokens", type=int, default=30)
+    ap.add_argument("--variant", action="append", default=None, metavar="NAME=ARGS",
+                    help="a server configuration: NAME=extra `slipstream serve` arguments (repeatable)")
+    ap.add_argument("--out", default=None, help="JSON file to write (default: print only)")
+    args = ap.parse_args()
+    variants = [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant or ["default="]]
+    rounds: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for k in range(args.rounds):
+        for name, extra in variants:
+            log = Path(f"/tmp/server_fairness_{os.getpid()}_{name}_{k}.log")
+            proc, base = _start(extra, log)
+            try:
+                res = asyncio.run(_round(base, args.burst, args.prompt_len, args.idle_tokens, k))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            res["load_avg_1m"] = os.getloadavg()[0]
+            print(json.dumps({"variant": name, "round": k, **res}), flush=True)
+            rounds[name].append(res)
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(), "burst": args.burst,
+               "prompt_len": args.prompt_len, "variants": {}}
+    for name, extra in variants:
+        rs = rounds[name]
+        keys = [key for key in rs[0] if isinstance(rs[0][key], float)]
+        med = {key: statistics.median(r[key] for r in rs) for key in keys}
+        med["p99_over_idle"] = med["burst_itl_p99_ms"] / med["idle_itl_p50_ms"]
+        summary["variants"][name] = {"serve_args": extra, "rounds": rs, "median": med}
+        print(json.dumps({"variant": name, "median": med}, indent=1), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
