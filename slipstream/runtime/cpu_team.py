@@ -108,14 +108,14 @@ class _Static:
     def __init__(self, dec: CpuTeamDecoder, rows: int):
         c = dec.model.cfg
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
-        f32 = dict(dtype=torch.float32)
+        f32 = torch.float32
         self.rows = rows
-        self.x = torch.zeros(rows, c.hidden_size, **f32)
+        self.x = torch.zeros(rows, c.hidden_size, dtype=f32)
         self.h = _Act(rows, c.hidden_size)
-        self.qkv = torch.zeros(rows, (H + 2 * KVH) * D, **f32)
+        self.qkv = torch.zeros(rows, (H + 2 * KVH) * D, dtype=f32)
         self.attn = _Act(rows, H * D)
         self.act = _Act(rows, c.intermediate_size)
-        self.logits = torch.zeros(rows, c.vocab_size, **f32)
+        self.logits = torch.zeros(rows, c.vocab_size, dtype=f32)
         self.next_tokens = torch.zeros(rows, dtype=torch.int64)
         self.tables = {argmax: cpu_plan.build(dec.shape, rows, dec.threads, argmax) for argmax in (False, True)}
         for t in self.tables.values():

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
 SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
-HEADERS = ["simd.h"]
+HEADERS = ["simd.h", "ops.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
 FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-pthread"]

@@ -75,6 +75,23 @@ AI float hsum256(__m256 v) {
 }
 #endif
 
+#if defined(SS_AVX2)
+AI float hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 8 int32 partial sums of u8 x s8 products over 32 bytes (4 products per lane)
+AI __m256i ss_dot_u8s8(__m256i u, __m256i s) {
+#ifdef SS_VNNI
+    return SS_DPBUSD(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
 // sum a[i] * b[i]
 AI float ss_dot(const float *a, const float *b, int n) {
     int i = 0;
@@ -175,26 +192,40 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
                  const float *xd, const float *xs, int nb, float *out) {
     const int K = G * 32;
 #if defined(SS_AVX2)
-    __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    // Four groups at a time: their integer dot products are reduced to one lane each (hadd) and
+    // scaled by one 4-wide multiply, instead of a broadcast and a conversion per group and row.
+    __m128 acc[MAX_ROWS];
+    __m256 acc1[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     const __m128i m4 = _mm_set1_epi8(15);
-#ifndef SS_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    for (int g = 0; g < G; g++) {
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        __m256i wq[4];
+        for (int j = 0; j < 4; j++) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + (g + j) * 16));
+            wq[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+        }
+        const __m128 s4 = _mm_loadu_ps(sc + g);
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i p[4];
+            for (int j = 0; j < 4; j++) p[j] = ss_dot_u8s8(wq[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(t), acc[b]);
+        }
+    }
+    for (; g < G; g++) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
         const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
         for (int b = 0; b < nb; b++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
-#ifdef SS_VNNI
-            const __m256i p = SS_DPBUSD(_mm256_setzero_si256(), wq, a);
-#else
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, a), ones);
-#endif
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]), _mm256_cvtepi32_ps(p), acc[b]);
+            acc1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]),
+                                      _mm256_cvtepi32_ps(ss_dot_u8s8(wq, a)), acc1[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+    for (int b = 0; b < nb; b++)
+        out[b] = hsum128(acc[b]) + hsum256(acc1[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
     for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
@@ -239,26 +270,37 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
                  float *out) {
     const int K = G * 32;
 #if defined(SS_AVX2)
-    __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
-#ifndef SS_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    for (int g = 0; g < G; g++) {
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + g * 32));
-        const __m256i wa = _mm256_sign_epi8(wq, wq);   // |w| as unsigned bytes
+    __m128 acc[MAX_ROWS];
+    __m256 acc1[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {   // as q4q8_row: four groups per reduction
+        __m256i wa[4], ws[4];
+        for (int j = 0; j < 4; j++) {
+            ws[j] = _mm256_loadu_si256((const __m256i *)(w + (g + j) * 32));
+            wa[j] = _mm256_sign_epi8(ws[j], ws[j]);   // |w| as unsigned bytes; the sign moves to a
+        }
+        const __m128 s4 = _mm_loadu_ps(sc + g);
         for (int b = 0; b < nb; b++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
-            const __m256i as = _mm256_sign_epi8(a, wq);    // a * sign(w)
-#ifdef SS_VNNI
-            const __m256i p = SS_DPBUSD(_mm256_setzero_si256(), wa, as);
-#else
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, as), ones);
-#endif
-            acc[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]), _mm256_cvtepi32_ps(p), acc[b]);
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i p[4];
+            for (int j = 0; j < 4; j++)
+                p[j] = ss_dot_u8s8(wa[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), ws[j]));
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(t), acc[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+    for (; g < G; g++) {
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + g * 32));
+        const __m256i wa = _mm256_sign_epi8(wq, wq);
+        for (int b = 0; b < nb; b++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+            acc1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]),
+                                      _mm256_cvtepi32_ps(ss_dot_u8s8(wa, _mm256_sign_epi8(a, wq))), acc1[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc1[b]);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
     for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);

@@ -24,7 +24,7 @@
 #include <unistd.h>
 #include <alloca.h>
 
-#include "simd.h"
+#include "ops.h"
 
 // -- what Python passes (mirrored by ctypes structures in runtime/cpu_team.py) ---------------------
 enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8 };
@@ -155,20 +155,6 @@ static void prepare(const SSAct *a, int row, int K, int c0, int c1, int exact) {
                         a->s + (int64_t)row * G + c0 / 32);
 }
 
-static void rmsnorm_row(const float *x, const float *w, int n, float eps, float *out) {
-    const float inv = 1.0f / sqrtf(ss_sumsq(x, n) / n + eps);
-    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
-}
-
-static void rope_head(float *v, const float *cs, const float *sn, int d) {
-    const int h = d / 2;
-    for (int i = 0; i < h; i++) {
-        const float a = v[i], b = v[i + h];
-        v[i] = a * cs[i] - b * sn[i];
-        v[i + h] = b * cs[i] + a * sn[i];
-    }
-}
-
 static void embed_row(const SSMat *e, int64_t tok, float *out) {
     const int K = e->k, G = K / 32;
     if (e->kind == KIND_F32) {
@@ -203,20 +189,8 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
         tl_cap = n > 4096 ? n : 4096;
         tl_scores = (float *)malloc(sizeof(float) * tl_cap);
     }
-    float *p = tl_scores, mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = ss_dot(q, L->kcache + (sl[j] * KVH + kvh) * D, D) * m->attn_scale;
-        if (p[j] > mx) mx = p[j];
-    }
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = expf(p[j] - mx);
-        sum += p[j];
-    }
-    const float inv = 1.0f / sum;
     float *o = s->attn.f + (int64_t)b * H * D + h * D;
-    memset(o, 0, sizeof(float) * D);
-    for (int64_t j = 0; j < n; j++) ss_axpy(o, p[j] * inv, L->vcache + (sl[j] * KVH + kvh) * D, D);
+    ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, tl_scores, o);
     if (D % 32 == 0) prepare(&s->attn, b, H * D, h * D, (h + 1) * D, exact);
 }
 
@@ -230,7 +204,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     case OP_NORM: {
         const float *w = t->aux == 0 ? L->attn_norm : t->aux == 1 ? L->ffn_norm : m->norm;
         for (int b = t->t0; b < t->t1; b++) {
-            rmsnorm_row(s->x + (int64_t)b * hid, w, hid, m->eps, s->h.f + (int64_t)b * hid);
+            ss_rmsnorm_row(s->x + (int64_t)b * hid, w, hid, m->eps, s->h.f + (int64_t)b * hid);
             prepare(&s->h, b, hid, 0, hid, exact);
         }
         break;
@@ -244,11 +218,11 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
             for (int hd = t->t0; hd < t->t1; hd++) {
                 float *v = s->qkv + (int64_t)b * row + hd * D;
                 if (hd < H) {
-                    if (L->q_norm) rmsnorm_row(v, L->q_norm, D, m->eps, v);
-                    rope_head(v, cs, sn, D);
+                    if (L->q_norm) ss_rmsnorm_row(v, L->q_norm, D, m->eps, v);
+                    ss_rope_head(v, cs, sn, D);
                 } else if (hd < H + KVH) {
-                    if (L->k_norm) rmsnorm_row(v, L->k_norm, D, m->eps, v);
-                    rope_head(v, cs, sn, D);
+                    if (L->k_norm) ss_rmsnorm_row(v, L->k_norm, D, m->eps, v);
+                    ss_rope_head(v, cs, sn, D);
                     if (slot >= 0) memcpy(L->kcache + (slot * KVH + hd - H) * D, v, sizeof(float) * D);
                 } else if (slot >= 0) {
                     memcpy(L->vcache + (slot * KVH + hd - H - KVH) * D, v, sizeof(float) * D);
@@ -273,10 +247,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         mat_rows(&L->gate_up, F + t->t0, F + t->t1, B, &s->h, u - F - t->t0, w, 0, exact);
         for (int b = 0; b < B; b++) {
             float *a = s->act.f + (int64_t)b * F;
-            for (int i = 0; i < w; i++) {
-                const float gv = g[b * w + i];
-                a[t->t0 + i] = gv / (1.0f + expf(-gv)) * u[b * w + i];
-            }
+            ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
             prepare(&s->act, b, F, t->t0, t->t1, exact);
         }
         break;

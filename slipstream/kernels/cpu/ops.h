@@ -1,0 +1,47 @@
+// The small operators of a decode step (RMSNorm, RoPE, decode attention, SiLU * up), shared by the
+// step executor (step.c) and their standalone entry points (decode_ops.c, which the operator tests
+// call against the torch references in reference.py).
+#pragma once
+#include <stdlib.h>
+
+#include "simd.h"
+
+// out = w * x / sqrt(mean(x^2) + eps)   (RMSNorm in fp32, as HF computes it); out may alias x
+static inline void ss_rmsnorm_row(const float *x, const float *w, int n, float eps, float *out) {
+    const float inv = 1.0f / sqrtf(ss_sumsq(x, n) / n + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+// rotary embedding of one head in place, with halves (HF's rotate_half); cs/sn: [d/2]
+static inline void ss_rope_head(float *v, const float *cs, const float *sn, int d) {
+    const int h = d / 2;
+    for (int i = 0; i < h; i++) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + h] = b * cs[i] + a * sn[i];
+    }
+}
+
+// One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh):
+// out[D] = softmax(q . k * scale) . v; p: scratch of n floats
+static inline void ss_attend(const float *q, const float *kcache, const float *vcache, int KVH, int kvh, int D,
+                             const int64_t *slots, int64_t n, float scale, float *p, float *out) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = ss_dot(q, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
+        if (p[j] > mx) mx = p[j];
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = expf(p[j] - mx);
+        sum += p[j];
+    }
+    const float inv = 1.0f / sum;
+    memset(out, 0, sizeof(float) * D);
+    for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, vcache + (slots[j] * KVH + kvh) * D, D);
+}
+
+// out[i] = silu(g[i]) * u[i]
+static inline void ss_silu_mul(const float *g, const float *u, int n, float *out) {
+    for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
