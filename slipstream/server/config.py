@@ -69,7 +69,7 @@ def default_allowed_hosts(bound: str, extra: tuple[str, ...] = ()) -> tuple[str,
         ip = ipaddress.ip_address(bound.strip("[]"))
     except ValueError:
         ip = None
-    if ip is not None and (ip.is_loopback or ip.is_unspecified):
+    if bound.lower() == "localhost" or (ip is not None and (ip.is_loopback or ip.is_unspecified)):
         hosts |= {"localhost", "127.0.0.1", "::1"}
     if ip is not None and ip.is_unspecified:
         hosts.add("<ip>")

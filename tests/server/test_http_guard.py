@@ -53,6 +53,7 @@ def test_host_rules():
     widened = default_allowed_hosts("127.0.0.1", ("api.example.com",))
     assert host_allowed("api.example.com", widened)
     assert host_allowed("whatever", default_allowed_hosts("127.0.0.1", ("*",)))
+    assert host_allowed("127.0.0.1:8000", default_allowed_hosts("localhost"))
 
 
 def test_empty_api_key_is_refused():
