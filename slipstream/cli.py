@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-json-depth", type=int, default=32, help="deepest nesting of a JSON body")
     h.add_argument("--http-workers", type=int, default=2,
                    help="threads that parse, template and tokenize requests off the event loop")
-    h.add_argument("--max-queued-jobs", type=int, default=64,
+    h.add_argument("--max-queued-jobs", type=int, default=512,
                    help="requests waiting for such a thread; past it requests get 503 with Retry-After")
     h.add_argument("--header-timeout", type=float, default=10.0, help="seconds a client has to send its headers")
     h.add_argument("--body-timeout", type=float, default=30.0, help="seconds a client has to send its body")

@@ -30,7 +30,7 @@ class ServerConfig:
     max_choices: int = 128                   # n x prompts of one request
     # -- CPU work off the event loop -------------------------------------------------------------
     workers: int = 2                         # threads tokenizing / rendering templates
-    max_queued_jobs: int = 64                # jobs waiting for a worker; past it: 503 + Retry-After
+    max_queued_jobs: int = 512               # jobs waiting for a worker; past it: 503 + Retry-After
     # -- connections ----------------------------------------------------------------------------
     header_timeout: float = 10.0             # seconds to send a request's headers
     body_timeout: float = 30.0               # seconds to send a request's body
