@@ -48,7 +48,7 @@ async def _round(base: str, burst: int, prompt_len: int, idle_tokens: int, seed:
     burst_t0: list[float] = []
     first_tokens: list[float] = []
 
-    async with httpx.AsyncClient(timeout=600) as c:
+    async with httpx.AsyncClient(timeout=3600) as c:
         async def main_stream() -> None:
             body = {"prompt": "Once upon a time in a quiet village by the sea,", "max_tokens": 1500,
                     "ignore_eos": True, "stream": True, "temperature": 0}
@@ -63,7 +63,7 @@ async def _round(base: str, burst: int, prompt_len: int, idle_tokens: int, seed:
         async def one(i: int) -> None:
             # distinct token-id prompts (no prefix-cache hits): 256 tokens each
             ids = [(seed * 7919 + i * 131 + k * 17) % 40000 + 100 for k in range(prompt_len)]
-            body = {"prompt": ids, "max_tokens": 8, "ignore_eos": True, "stream": True}
+            body = {"prompt": ids, "max_tokens": 2, "ignore_eos": True, "stream": True}
             async with c.stream("POST", f"{base}/v1/completions", json=body) as r:
                 r.raise_for_status()
                 lines = r.aiter_lines()
