@@ -56,9 +56,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
-ENGINES = ("slipstream", "llama.cpp", "transformers")
+ENGINES = ("slipstream", "slipstream-exact", "llama.cpp", "transformers")
 # The Python package each engine needs (checked before a child is started).
-ENGINE_PACKAGES = {"slipstream": "slipstream", "llama.cpp": "llama_cpp", "transformers": "transformers"}
+ENGINE_PACKAGES = {"slipstream": "slipstream", "slipstream-exact": "slipstream", "llama.cpp": "llama_cpp",
+                   "transformers": "transformers"}
 DEFAULT_QUESTION = "Explain in a few sentences why the sky is blue during the day."
 # Filler for --prompt-tokens: repeated, then cut to the exact length wanted.
 FILLER = ("The history of the river valley is long and varied. Farmers grew wheat and barley on "
@@ -201,15 +202,19 @@ def _bench(gen: Callable[[], RunResult], runs: int) -> list[RunResult]:
 
 
 # -- engines (run inside the child process) -------------------------------------------------------
-def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
+def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int,
+                   exact: bool = False, batch: int = 1) -> EngineResult:
     import torch
     torch.set_num_threads(threads)
+    os.environ.setdefault("SLIPSTREAM_THREADS", str(threads))
     import slipstream
     from slipstream import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(str(model))
+    llm = LLM(str(model), exact=exact)
     load_s = time.perf_counter() - t
+    if batch > 1:
+        return _slipstream_batch(llm, ids, max_tokens, runs, batch, load_s, exact)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     last_req: list[Any] = []
 
@@ -224,9 +229,63 @@ def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, thre
         r.engine_metrics = {"ttft_s": m.ttft_s, "decode_tok_s": m.decode_tok_s}
         return r
 
-    info = {"version": slipstream.__version__, "runtime": llm.engine.runtime_name,
+    info = {"version": slipstream.__version__, "runtime": llm.engine.runtime_name, "exact": exact,
+            "isa": _native_isa(), "weight_bytes_per_token": _slipstream_weight_bytes(llm),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
-    return EngineResult("slipstream", True, load_s=load_s, info=info, runs=_bench(one, runs))
+    return EngineResult("slipstream-exact" if exact else "slipstream", True, load_s=load_s, info=info,
+                        runs=_bench(one, runs))
+
+
+def _native_isa() -> str | None:
+    from slipstream.kernels.cpu import load_library
+    lib = load_library()
+    return None if lib is None else lib.ss_isa().decode()
+
+
+def _slipstream_weight_bytes(llm: Any) -> int:
+    """Bytes of weights one decode step reads: every layer's products and norms, the final norm and
+    the LM head (one embedding row is negligible)."""
+    m = llm.model
+    total = m.lm_head.nbytes + m.norm.numel() * 4
+    for L in m.layers:
+        total += sum(w.nbytes for w in (L.qkv, L.o, L.gate_up, L.down))
+        total += sum(v.numel() * 4 for v in (L.attn_norm, L.ffn_norm, L.q_norm, L.k_norm) if v is not None)
+    return int(total)
+
+
+def _slipstream_batch(llm: Any, ids: list[int], max_tokens: int, runs: int, batch: int, load_s: float,
+                      exact: bool) -> EngineResult:
+    """Aggregate decode speed of `batch` sequences decoded together: every request is prefilled
+    first, then the decode steps are timed (tokens produced / time). The prompts differ in their last
+    token, so request merging cannot fold them into one."""
+    from slipstream import SamplingParams
+    from slipstream.engine.request import Request
+
+    engine = llm.engine
+    vocab = llm.model.cfg.vocab_size
+
+    def one() -> RunResult:
+        reqs = [Request(ids[:-1] + [(ids[-1] + i) % vocab],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for i in range(batch)]
+        for r in reqs:
+            engine.add_request(r)
+        while any(len(r.output_ids) == 0 for r in reqs):
+            engine.step()
+        start_tokens = sum(len(r.output_ids) for r in reqs)
+        t0 = time.perf_counter()
+        stamps = []
+        while engine.has_unfinished():
+            engine.step()
+            stamps.append((time.perf_counter() - t0, sum(len(r.output_ids) for r in reqs) - start_tokens))
+        # one stamp per token produced by the timed steps after a stamp at 0: decode tok/s is then
+        # the aggregate tokens / decode time (token ids are not compared for batches)
+        times = [0.0]
+        for t, n in stamps:
+            times += [t] * (n + 1 - len(times))
+        return RunResult(token_ids=[0] * len(times), stamps_s=times)
+
+    info = {"runtime": engine.runtime_name, "exact": exact, "batch": batch, "isa": _native_isa()}
+    return EngineResult(f"slipstream-b{batch}", True, load_s=load_s, info=info, runs=_bench(one, runs))
 
 
 def run_llama_cpp(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
@@ -277,14 +336,16 @@ def run_transformers(model: Path, ids: list[int], max_tokens: int, runs: int, th
                         runs=_bench(lambda: time_stream(groups, max_tokens), runs))
 
 
-RUNNERS: dict[str, Callable[[Path, list[int], int, int, int], EngineResult]] = {
-    "slipstream": run_slipstream, "llama.cpp": run_llama_cpp, "transformers": run_transformers,
+RUNNERS: dict[str, Callable[..., EngineResult]] = {
+    "slipstream": run_slipstream, "slipstream-exact": lambda *a, **k: run_slipstream(*a, exact=True, **k),
+    "llama.cpp": run_llama_cpp, "transformers": run_transformers,
 }
 
 
 def child_main(args: argparse.Namespace) -> int:
     ids = json.loads(Path(args.prompt_ids_file).read_text())
-    res = RUNNERS[args.engine](Path(args.model), ids, args.max_tokens, args.runs, args.threads)
+    extra = {"batch": args.batch} if args.engine.startswith("slipstream") and args.batch > 1 else {}
+    res = RUNNERS[args.engine](Path(args.model), ids, args.max_tokens, args.runs, args.threads, **extra)
     Path(args.json).write_text(json.dumps(asdict(res)))
     return 0
 
@@ -346,14 +407,24 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
         out = Path(d) / "result.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--engine", engine, "--json", str(out),
                "--model", str(args.model), "--prompt-ids-file", str(ids_file),
-               "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+               "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+               "--batch", str(args.batch)]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
                    HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+        if args.march and engine.startswith("slipstream"):
+            env["SLIPSTREAM_MARCH"] = args.march     # e.g. x86-64-v3: the AVX2 build on an AVX-512 machine
+        if args.llama_path and engine == "llama.cpp":
+            env["PYTHONPATH"] = os.pathsep.join([args.llama_path, env.get("PYTHONPATH", "")])
         watch = LoadWatch()
+        neighbour = start_neighbour() if args.neighbour else None
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return EngineResult(engine, False, note=f"failed: timed out after {CHILD_TIMEOUT_S} s")
+        finally:
+            if neighbour is not None:
+                neighbour.kill()
+                neighbour.wait()
         other = watch.other_cores()
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
@@ -361,6 +432,65 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
         res = EngineResult.from_dict(json.loads(out.read_text()))
         res.info["other_cpu_load_during"] = other
         return res
+
+
+NEIGHBOUR = ("import torch, time\ntorch.set_num_threads(2)\na = torch.randn(512, 512)\n"
+             "while True:\n    a = torch.tanh(a @ a)\n")
+
+
+def start_neighbour() -> subprocess.Popen:
+    """A busy neighbour process: a 2-thread matrix multiply loop, for as long as an engine runs."""
+    proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)   # let it start burning before the engine does
+    return proc
+
+
+def measure_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> dict[str, float]:
+    """STREAM-style copy and triad over arrays far larger than any cache, on `threads` threads:
+    best GB/s of `repeats`, counting bytes read + written (copy: 2 arrays, triad: 3)."""
+    import torch
+    torch.set_num_threads(threads)
+    n = mib * 1024 * 1024 // 4
+    a, b, c = torch.ones(n), torch.ones(n), torch.ones(n)
+    best = {"copy_gb_s": 0.0, "triad_gb_s": 0.0}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.copy_(b)
+        best["copy_gb_s"] = max(best["copy_gb_s"], 2 * 4 * n / (time.perf_counter() - t) / 1e9)
+        t = time.perf_counter()
+        torch.add(b, c, alpha=2.0, out=a)
+        best["triad_gb_s"] = max(best["triad_gb_s"], 3 * 4 * n / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def gguf_weight_bytes(model: Path) -> int:
+    """Bytes of the GGUF's tensors one decode step reads (the embedding table only when it is also
+    the output matrix, i.e. there is no output.weight)."""
+    import gguf
+    r = gguf.GGUFReader(str(model))
+    names = {t.name for t in r.tensors}
+    return int(sum(t.n_bytes for t in r.tensors
+                   if t.name != "token_embd.weight" or "output.weight" not in names))
+
+
+def print_limits(results: list[EngineResult], summaries: dict[str, dict[str, Any]], bw: dict[str, float],
+                 gguf_bytes: int) -> dict[str, Any]:
+    """Each engine's decode speed as a share of the memory-bandwidth limit."""
+    out: dict[str, Any] = {"bandwidth": bw, "gguf_weight_bytes": gguf_bytes}
+    print(f"\nmemory limit: copy {bw['copy_gb_s']:.1f} GB/s, triad {bw['triad_gb_s']:.1f} GB/s (read + written)")
+    for res in results:
+        if not res.ok or res.engine not in summaries or "-b" in res.engine:
+            continue
+        tps = summaries[res.engine].get("decode_tok_s", {}).get("median")
+        wb = res.info.get("weight_bytes_per_token") or gguf_bytes
+        if not tps:
+            continue
+        limit = bw["triad_gb_s"] * 1e9 / wb
+        share = tps / limit
+        out[res.engine] = {"weight_bytes_per_token": wb, "limit_tok_s": limit, "share_of_limit": share}
+        print(f"  {res.engine:<18} {wb / 1e6:6.1f} MB/token x {tps:6.1f} tok/s = {wb * tps / 1e9:5.2f} GB/s: "
+              f"{share * 100:4.0f}% of the triad limit ({limit:.0f} tok/s)")
+    return out
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> int:
@@ -385,7 +515,12 @@ def machine_info() -> dict[str, Any]:
             versions[dist] = None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    return {"cpu": cpu, "cores": os.cpu_count(),
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        flags = next((ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith(("flags", "Features"))), "")
+    vector = sorted(f for f in flags.split() if f.startswith(("avx", "amx", "fma", "asimd", "sve")) or f == "f16c")
+    return {"cpu": cpu, "cores": os.cpu_count(), "vector_extensions": vector,
             "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "platform": platform.platform(), "python": platform.python_version(), "versions": versions,
             "slipstream_commit": commit,
@@ -460,7 +595,10 @@ def parent_main(args: argparse.Namespace) -> int:
     info = machine_info()
     print(f"model: {args.model}")
     print(f"machine: {info['cpu']}, {info['cores']} cores; threads={args.threads}; "
-          f"prompt {len(ids)} tokens; {args.max_tokens} new tokens; {args.runs} timed runs + 1 warm-up")
+          f"prompt {len(ids)} tokens; {args.max_tokens} new tokens; {args.runs} timed runs + 1 warm-up"
+          f"{'; batch %d' % args.batch if args.batch > 1 else ''}{'; busy neighbour' if args.neighbour else ''}"
+          f"{'; slipstream -march=' + args.march if args.march else ''}")
+    print(f"vector extensions: {' '.join(info['vector_extensions']) or 'none reported'}")
     results: list[EngineResult] = []
     with tempfile.TemporaryDirectory() as d:
         ids_file = Path(d) / "prompt_ids.json"
@@ -491,14 +629,18 @@ def parent_main(args: argparse.Namespace) -> int:
     print()
     print_table(results, summaries)
     agree = print_agreement(results, summaries)
+    limits = None
+    if not args.no_bandwidth:
+        limits = print_limits(results, summaries, measure_bandwidth(args.threads), gguf_weight_bytes(args.model))
     short = [r.engine for r in results if r.ok and any(len(x.token_ids) < args.max_tokens for x in r.runs)]
     if short:
         print(f"note: fewer than {args.max_tokens} tokens from: {', '.join(short)}")
     if args.json:
         payload = {"machine": info, "model": str(args.model), "prompt_ids": ids,
                    "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "threads": args.threads,
-                                "prompt_tokens": len(ids)},
-                   "summary": summaries, "agreement": agree, "results": [asdict(r) for r in results]}
+                                "prompt_tokens": len(ids), "batch": args.batch, "neighbour": args.neighbour,
+                                "march": args.march, "llama_path": args.llama_path},
+                   "summary": summaries, "agreement": agree, "limits": limits, "results": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=1))
         print(f"raw numbers written to {args.json}")
     return 0 if all(r.ok or r.note.startswith("skipped") for r in results) else 1
@@ -516,6 +658,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fill/cut the templated prompt to exactly this many tokens")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for every engine")
     p.add_argument("--json", default=None, help="write all raw numbers and machine info to this file")
+    p.add_argument("--batch", type=int, default=1,
+                   help="slipstream engines: aggregate decode speed of this many sequences decoded together")
+    p.add_argument("--neighbour", action="store_true",
+                   help="run a busy neighbour (a 2-thread matrix multiply) beside every engine")
+    p.add_argument("--march", default=None,
+                   help="build slipstream's kernels for this -march (e.g. x86-64-v3 for AVX2 on an AVX-512 machine)")
+    p.add_argument("--llama-path", default=None,
+                   help="directory holding another llama-cpp-python build (pip install --target), e.g. an AVX2 one")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
     p.add_argument("--engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--prompt-ids-file", default=None, help=argparse.SUPPRESS)          # child mode
     args = p.parse_args(argv)

@@ -1,34 +1,29 @@
-"""Where the time of one CPU decode step goes (batch 1, the native runtime).
+"""Where the time of one CPU decode step goes: the native runtime's own per-opcode profile.
 
-Times, as medians over many steps, the whole native decode step and its parts run on their own:
-the packed matrix-vector products of the layers, the LM head, and everything else (norms, RoPE,
-attention, SiLU, the step's Python) measured as the step with the products switched off.
-Also reports the bytes of weights each step reads and the effective rate over them.
+Runs decode steps of the native runtime (one native call per step, a persistent thread team running
+the step's task table) over a context of `--context` tokens, and reports:
 
-    python benchmarks/cpu_step_profile.py [--model PATH] [--context 256] [--steps 60]
+* the median step time and tok/s (batch `--batch`), fast and exact paths;
+* per opcode (QKV, attention, O, gate/up, down, LM head, ...): busy and waiting milliseconds per step
+  summed over the team's threads, from timestamps the C executor takes around every task
+  (`ss_profile`), and the tasks per step;
+* the bytes of weights a step reads and the rate that implies.
+
+    python benchmarks/cpu_step_profile.py [--model PATH] [--context 256] [--steps 60] [--batch 1]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from typing import Callable
 
-import torch
+import numpy as np
 
 from slipstream.kv.blocks import SequenceKV
-from slipstream.step import prefill_step
+from slipstream.runtime import cpu_plan
+from slipstream.step import decode_step, prefill_step
 
-
-def median_ms(fn: Callable[[], object], steps: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+N_OPS = 12   # step.c's profile slots (the step's opcodes and ss_linear's two)
 
 
 def main() -> None:
@@ -36,53 +31,49 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
 
     from slipstream import LLM
+    from slipstream.kernels.cpu import load_library
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
 
-    llm = LLM(args.model, runtime="native")
-    model, rt = llm.model, llm.engine.runtime
-    seq = SequenceKV(llm.engine.kv)
-    seq.reserve(args.context + 1)
-    pos = args.context
-
-    def step() -> torch.Tensor:
-        s = prefill_step(seq, [5], pos)
-        return rt.forward(s)
-
-    lib = rt.lib
-    hid, F = model.cfg.hidden_size, model.cfg.intermediate_size
-    x, xf = torch.randn(1, hid), torch.randn(1, F)
-    scratch = torch.empty(F // 32 + 1)
-    outs = {k: torch.empty(1, getattr(model.layers[0], k).n) for k in ("qkv", "o", "gate_up", "down")}
-    logits = torch.empty(1, model.lm_head.n)
-
-    def layer_products() -> None:
-        for L in model.layers:
-            for k in ("qkv", "o", "gate_up", "down"):
-                src = xf if k == "down" else x
-                getattr(L, k).native(lib, src.data_ptr(), 1, outs[k].data_ptr(), False, scratch.data_ptr())
-
-    def lm_head() -> None:
-        model.lm_head.native(lib, x.data_ptr(), 1, logits.data_ptr(), False, scratch.data_ptr())
-
-    whole = median_ms(step, args.steps)
-    prods = median_ms(layer_products, args.steps)
-    head = median_ms(lm_head, args.steps)
-    real = rt._matvec
-    rt._matvec = lambda *a, **k: None
-    rest = median_ms(step, args.steps)
-    rt._matvec = real
-
-    layer_bytes = sum(m.nbytes for L in model.layers for m in L.linears())
-    print(f"model {llm.model_name}, context {args.context}, {torch.get_num_threads()} threads")
-    print(f"{'part':34s} {'ms':>7s} {'share':>6s}")
-    for name, ms in [("whole decode step", whole), ("layer products (packed matvec)", prods),
-                     ("LM head (packed matvec)", head), ("everything else (step w/o products)", rest)]:
-        print(f"{name:34s} {ms:7.2f} {ms / whole:6.0%}")
-    print(f"layer weights {layer_bytes / 1e6:.1f} MB -> {layer_bytes / prods / 1e6:.1f} GB/s; "
-          f"LM head {model.lm_head.nbytes / 1e6:.1f} MB -> {model.lm_head.nbytes / head / 1e6:.1f} GB/s; "
-          f"step -> {1000 / whole:.1f} tok/s")
+    lib = load_library()
+    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + args.steps + 8) * args.batch + 64)
+    model, kv = llm.model, llm.engine.kv
+    weight_bytes = model.lm_head.nbytes + sum(w.nbytes for L in model.layers for w in L.linears())
+    print(f"ISA: {lib.ss_isa().decode()}; batch {args.batch}; context {args.context}; "
+          f"weights read per step {weight_bytes / 1e6:.1f} MB")
+    for exact in (False, True):
+        dec = CpuTeamDecoder(model, kv, exact=exact)
+        seqs = [SequenceKV(kv) for _ in range(args.batch)]
+        for i, s in enumerate(seqs):
+            s.reserve(args.context + args.steps + 2)
+            model.forward(prefill_step(s, [1 + i] * args.context), kv)
+        tokens, pos = [2] * args.batch, [args.context] * args.batch
+        times = []
+        prof = np.zeros(3 * N_OPS, dtype=np.int64)
+        for n in range(args.steps + 3):
+            if n == 3:
+                lib.ss_profile(1, None)
+            t = time.perf_counter()
+            tokens = dec.forward(decode_step(seqs, tokens, pos), tokens_only=True).tolist()
+            if n >= 3:
+                times.append(time.perf_counter() - t)
+            pos = [p + 1 for p in pos]
+        lib.ss_profile(0, prof.ctypes.data)
+        for s in seqs:
+            s.release()
+        med = statistics.median(times)
+        print(f"\n{'exact' if exact else 'fast'} path: step {med * 1e3:.2f} ms median "
+              f"({args.batch / med:.1f} tok/s, {weight_bytes / med / 1e9:.1f} GB/s of weights), "
+              f"min {min(times) * 1e3:.2f} ms")
+        steps = len(times)
+        print(f"  {'op':<9}{'busy ms/step':>13}{'wait ms/step':>13}{'tasks/step':>11}")
+        for i, name in enumerate(cpu_plan.OP_NAMES):
+            if prof[2 * N_OPS + i]:
+                print(f"  {name:<9}{prof[i] / 1e6 / steps:>13.3f}{prof[N_OPS + i] / 1e6 / steps:>13.3f}"
+                      f"{prof[2 * N_OPS + i] / steps:>11.0f}")
 
 
 if __name__ == "__main__":

@@ -280,6 +280,11 @@ def small(llm) -> LLM:
     return _make(max_model_len=32)
 
 
+@pytest.fixture(scope="module")
+def small_exact(llm) -> LLM:
+    return _make(max_model_len=32, exact=True)
+
+
 def test_prompt_too_long(small):
     free = small.engine.kv.allocator.num_free
     prompt = "word " * 60
@@ -311,8 +316,12 @@ def test_context_boundary(small):
         small.generate(ids + ids[:1], SamplingParams(max_tokens=1))
 
 
-def test_more_requests_than_the_kv_cache_holds_at_once(small):
-    """The small engine's cache holds two 32-token requests; five queue and all complete unchanged."""
+@pytest.mark.parametrize("which", ["small", "small_exact"])
+def test_more_requests_than_the_kv_cache_holds_at_once(which, request):
+    """The small engine's cache holds two 32-token requests; five queue and all complete unchanged,
+    on both CPU paths (a preempted request is recomputed by prefill kernels that round like the
+    decode steps of its path)."""
+    small = request.getfixturevalue(which)
     free = small.engine.kv.allocator.num_free
     prompts = [f"Count from {i} to {i + 5}:" for i in range(5)]
     params = SamplingParams(max_tokens=20, ignore_eos=True, **GREEDY)

@@ -15,7 +15,8 @@ is there too: transformers' incremental greedy loop (past_key_values) must give 
 The same logits are the reference for
 
 * prefill logits (`LlamaModel.forward`, every prompt position, not only the last), and
-* decode-step logits of the native CPU runtime (`NativeDecoder`, all 8 sequences batched, fed the
+* decode-step logits of the native CPU runtime's exact path (`CpuTeamDecoder(exact=True)`, all 8
+  sequences batched, fed the
   greedy tokens one step at a time over the paged KV cache the prefill filled; the first
   `DECODE_STEPS` steps: the greedy test already covers the argmax at all 64).
 
@@ -83,7 +84,7 @@ def hf(gguf_path) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def llm(gguf_path) -> LLM:
-    return LLM()  # the default runtime: native CPU kernels where available
+    return LLM(exact=True)  # the native CPU runtime where available, on its exact (fp32-activation) path
 
 
 @pytest.fixture(scope="module")
@@ -225,14 +226,14 @@ DECODE_STEPS = 24
 
 
 def test_native_decode_logits_match_transformers(llm, prompts, greedy, prefilled, hf_logits):
-    """The 8 prefilled sequences decoded together by `NativeDecoder`, teacher-forced with the greedy
+    """The 8 prefilled sequences decoded together by the native runtime (exact path), teacher-forced with the greedy
     tokens: every step's logits against transformers' at the same position."""
     if load_library() is None:
         pytest.skip("native CPU kernels unavailable")
-    from slipstream.runtime.cpu_native import NativeDecoder
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
 
     kv, seqs, _ = prefilled
-    native = NativeDecoder(llm.model, kv)
+    native = CpuTeamDecoder(llm.model, kv, exact=True)
     gens = [greedy["default"][n] for n in NAMES]
     ids = [prompts[n] for n in NAMES]
     refs = [hf_logits(p + g[:-1])[len(p):] for p, g in zip(ids, gens)]  # rows predicting g[1:]

@@ -22,39 +22,9 @@ import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
+from slipstream.kernels.cpu.abi import SSAct, SSLayer, SSModel, SSStep
 from slipstream.runtime import cpu_plan
-from slipstream.weights.quant import Q8_0, Linear
-
-KIND_F32, KIND_Q4, KIND_Q8 = 0, 4, 8
-_P = ctypes.c_void_p
-_I = ctypes.c_int32
-_F = ctypes.c_float
-
-
-class SSMat(ctypes.Structure):
-    _fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
-                ("pad", _I)]
-
-
-class SSLayer(ctypes.Structure):
-    _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
-                ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P)]
-
-
-class SSModel(ctypes.Structure):
-    _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("ffn", _I), ("vocab", _I), ("pad", _I), ("eps", _F), ("attn_scale", _F),
-                ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P)]
-
-
-class SSAct(ctypes.Structure):
-    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P)]
-
-
-class SSStep(ctypes.Structure):
-    _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
-                ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
-                ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P)]
+from slipstream.weights.quant import Linear
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -66,14 +36,9 @@ def _field(layer: Any, name: str) -> Any:
     return layer[name] if isinstance(layer, dict) else getattr(layer, name)
 
 
-def mat(w: Linear) -> SSMat:
-    """The kernel's view of a weight matrix (packed 4/8-bit codes, or dense float32)."""
-    if not w.packed:
-        if w.data.dtype != torch.float32 or not w.data.is_contiguous():
-            raise ValueError("dense weights must be contiguous float32 for the native runtime")
-        return SSMat(w.data.data_ptr(), None, None, _ptr(w.bias), KIND_F32, w.n, w.k, 0)
-    kind = KIND_Q8 if w.fmt == Q8_0 else KIND_Q4
-    return SSMat(w.data.data_ptr(), w.scale.data_ptr(), _ptr(w.min), _ptr(w.bias), kind, w.n, w.k, 0)
+def mat(w: Linear) -> Any:
+    """The kernel's view of a weight matrix (see `Linear.ss_mat`)."""
+    return w.ss_mat()
 
 
 def _bytes_per_weight(w: Linear) -> float:
@@ -133,11 +98,15 @@ class CpuTeamDecoder:
         why = self.unsupported(model)
         if why is not None:
             raise RuntimeError(why)
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*kv.k, *kv.v)):
+            raise RuntimeError("the native runtime needs a float32 KV cache on the CPU")
         self.lib = load_library()
         self.model = model
         self.kv = kv
         self.exact = bool(exact)
-        self.threads = self.lib.ss_team_configure(threads or default_threads(), -1, -1)
+        spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
+        # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
+        self.threads = self.lib.ss_team_configure(threads or default_threads(), *(spin + [-1, -1])[:2])
         c = model.cfg
         layers = model.layers
         lm = model.lm_head

@@ -68,7 +68,7 @@ def register(spec: RuntimeSpec) -> None:
 
 
 for _spec in (RuntimeSpec("eager", "slipstream.runtime.base:EagerDecoder", False, _plain),
-              RuntimeSpec("native", "slipstream.runtime.cpu_native:NativeDecoder", False, _cpu),
+              RuntimeSpec("native", "slipstream.runtime.cpu_team:CpuTeamDecoder", False, _cpu),
               RuntimeSpec("graph", "slipstream.runtime.graph:GraphDecoder", True, _graph),
               RuntimeSpec("megakernel", "slipstream.runtime.megakernel:MegakernelDecoder", True, _megakernel)):
     register(_spec)

@@ -12,6 +12,7 @@ dequantization bit for bit, and the kernels multiply the packed codes with fp32 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
+from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, SSMat
 
 Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100       # ggml's type ids; Q4_F32 is ours
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_F32: 24}
@@ -42,6 +44,20 @@ def matvec_only() -> Iterator[None]:
         yield
     finally:
         _path.matvec_only = old
+
+
+@contextlib.contextmanager
+def int8_products() -> Iterator[None]:
+    """Within this block packed CPU products quantize their activations to int8 per group of 32 and
+    run on the native runtime's kernels and thread team (`ss_linear`), whatever the number of rows:
+    prefill then rounds exactly like the native runtime's fast decode steps (a row's result does
+    not depend on the other rows), so a recomputed or prefix-cached token sees the same numbers."""
+    old = getattr(_path, "int8", False)
+    _path.int8 = True
+    try:
+        yield
+    finally:
+        _path.int8 = old
 
 
 def _f16_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -150,6 +166,17 @@ class Linear:
             lib.q4_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(),
                           self.min.data_ptr(), self.n, out_ptr, int(accumulate), scratch_ptr)
 
+    def ss_mat(self) -> SSMat:
+        """The native step's view of this matrix (raw pointers: keep this Linear alive while it is used)."""
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        if not self.packed:
+            if self.data.dtype != torch.float32 or not self.data.is_contiguous():
+                raise ValueError("dense weights must be contiguous float32 for the native kernels")
+            return SSMat(self.data.data_ptr(), None, None, ptr(self.bias), KIND_F32, self.n, self.k, 0)
+        kind = KIND_Q8 if self.fmt == Q8_0 else KIND_Q4
+        return SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min), ptr(self.bias), kind,
+                     self.n, self.k, 0)
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
         """y = x @ W.T (+ bias) for x [rows, K]; with accumulate=True adds into `out` (residual add)."""
@@ -168,6 +195,13 @@ class Linear:
             return out.add_(y) if accumulate else out.copy_(y)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
+        if getattr(_path, "int8", False):
+            if out is None:
+                out = torch.empty(rows, self.n, dtype=torch.float32)
+                accumulate = False
+            m = self.ss_mat()
+            lib.ss_linear(ctypes.byref(m), rows, x.data_ptr(), out.data_ptr(), int(accumulate), 0)
+            return out
         if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
             y = torch.nn.functional.linear(x, self.widen(lib), self.bias)
             if out is None:

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from support import decode_step, prefill_step, skip_unless_default_model
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kv.blocks import SequenceKV
@@ -19,7 +20,6 @@ from slipstream.runtime import cpu_plan
 from slipstream.runtime.cpu_team import CpuTeamDecoder
 from slipstream.step import StepBuilder
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
-from support import decode_step, prefill_step, skip_unless_default_model
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
 

@@ -1,0 +1,40 @@
+"""The C structures the CPU step and products take (kernels/cpu/step.c), as ctypes structures.
+
+Pointers are raw addresses of tensors owned by Python: whoever builds a structure keeps the tensors
+alive while the C side may use it."""
+from __future__ import annotations
+
+import ctypes
+
+KIND_F32, KIND_Q4, KIND_Q8 = 0, 4, 8
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+_F = ctypes.c_float
+
+
+class SSMat(ctypes.Structure):
+    """A weight matrix: codes (or fp32 values), per-group scales and mins, optional bias."""
+    _fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
+                ("pad", _I)]
+
+
+class SSLayer(ctypes.Structure):
+    _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
+                ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P)]
+
+
+class SSModel(ctypes.Structure):
+    _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
+                ("ffn", _I), ("vocab", _I), ("pad", _I), ("eps", _F), ("attn_scale", _F),
+                ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P)]
+
+
+class SSAct(ctypes.Structure):
+    """An activation: fp32 rows, and for the fast path their int8 codes, group scales and sums."""
+    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P)]
+
+
+class SSStep(ctypes.Structure):
+    _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
+                ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
+                ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P)]
