@@ -211,7 +211,8 @@ def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, thre
     from slipstream import LLM, SamplingParams
 
     t = time.perf_counter()
-    llm = LLM(str(model), exact=exact)
+    # no prefix cache: every timed run must prefill its whole prompt (the runs repeat one prompt)
+    llm = LLM(str(model), exact=exact, enable_prefix_cache=False)
     load_s = time.perf_counter() - t
     if batch > 1:
         return _slipstream_batch(llm, ids, max_tokens, runs, batch, load_s, exact)

@@ -31,7 +31,7 @@ from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder, DecoderOptions
 from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
 from slipstream.step import StepBuilder, StepInput
-from slipstream.weights.quant import DENSE_FROM_ROWS, int8_products, matvec_only
+from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30   # KV-cache size when not given: up to twice the context, within this
 
@@ -373,16 +373,10 @@ class Engine:
     def _prefill(self, plan: StepPlan) -> list[StepEvent]:
         """The planned prompt chunks, batched; sample the requests whose prompt is complete.
 
-        On the native runtime's fast path every chunk runs through its int8 row kernels. Otherwise
-        chunks of at least DENSE_FROM_ROWS tokens run together through the BLAS path, shorter
+        Chunks of at least DENSE_FROM_ROWS tokens run together through the BLAS path, shorter
         ones together through the matvec kernels: each chunk is computed exactly as it would be
         alone (both paths are row-invariant), so batching never changes a request's tokens.
         """
-        if self.runtime.name == "native" and not self.config.exact:
-            # the native runtime's fast path decodes with int8 activations: prefill with the same row
-            # kernels, so a recomputed (preempted) or prefix-cached prompt rounds like its decode steps
-            with int8_products():
-                return self._prefill_group(plan.prefill)
         long = [c for c in plan.prefill if c[2] - c[1] >= DENSE_FROM_ROWS]
         short = [c for c in plan.prefill if c[2] - c[1] < DENSE_FROM_ROWS]
         events = self._prefill_group(long) if long else []
