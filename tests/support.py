@@ -34,9 +34,10 @@ def decode_step(seqs: list, tokens: list[int], positions: list[int]):
 
 def engine(llm, **kw):
     """A fresh `Engine` over an `LLM`'s model and tokenizer, configured by `kw` (`EngineConfig`'s
-    fields; 2048 KV tokens unless given)."""
+    fields; 2048 KV tokens and the LLM's CPU path unless given)."""
     from slipstream.engine.config import EngineConfig
     from slipstream.engine.engine import Engine
 
     kw.setdefault("kv_cache_tokens", 2048)
+    kw.setdefault("exact", llm.engine_config.exact)   # the LLM's CPU path (fast or exact)
     return Engine(llm.model, llm.tokenizer, EngineConfig(**kw))
