@@ -277,10 +277,14 @@ def test_hf_folder_control(bad_inputs):
     assert len(out["token_ids"]) == 4
 
 
-def test_native_runtime_on_unsupported_weights(bad_inputs):
+def test_native_runtime_on_dense_weights(bad_inputs):
+    """A Hugging Face folder's dense (fp32) weights run on the native runtime too; its exact path
+    gives the eager step's greedy tokens."""
     folder = Path(bad_inputs["missing_shard"][0][0]).parent / "hf"
-    proc = run_cli("generate", str(folder), "--runtime", "native", "-p", "Hello", "--max-tokens", "4")
-    _assert_one_line_error(proc, ["native"])
+    args = ("generate", str(folder), "-p", "Hello", "--max-tokens", "6", "--ignore-eos", "--temperature", "0", "--json")
+    native = _json(run_cli(*args, "--runtime", "native", "--exact"))
+    eager = _json(run_cli(*args, "--runtime", "eager"))
+    assert native["token_ids"] == eager["token_ids"] and len(native["token_ids"]) == 6
 
 
 def test_generate_max_tokens_zero_json():
