@@ -13,7 +13,9 @@ from support import skip_unless_default_model
 def server_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     skip_unless_default_model()
     pytest.importorskip("fastapi")
-    srv = ServerProcess(log_path=tmp_path_factory.mktemp("server") / "serve.log")
+    # the exact CPU path: tests compare the server's greedy answers with an in-process LLM's, and a
+    # conversation's prefix-cached turn (decoded) must round like the reference's prefill
+    srv = ServerProcess("--exact", log_path=tmp_path_factory.mktemp("server") / "serve.log")
     try:
         yield srv
     finally:

@@ -24,7 +24,7 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 @pytest.fixture(scope="module")
 def ref_llm(server) -> LLM:
     """The same model in this process, to compare the server's greedy output with."""
-    return LLM(max_model_len=2048)
+    return LLM(max_model_len=2048, exact=True)   # the session server runs --exact too
 
 
 def _greedy_chat(llm: LLM, messages: list[dict], max_tokens: int, **kw):
