@@ -23,7 +23,7 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.runtime import cpu_plan
 from slipstream.step import decode_step, prefill_step
 
-N_OPS = 12   # step.c's profile slots (the step's opcodes and ss_linear's two)
+N_OPS = len(cpu_plan.OP_NAMES)   # step.c's profile slots, one per opcode
 
 
 def main() -> None:

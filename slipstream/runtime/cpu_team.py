@@ -31,16 +31,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _field(layer: Any, name: str) -> Any:
-    """A layer's weight by name (typed layer objects, or the older string-keyed dicts)."""
-    return layer[name] if isinstance(layer, dict) else getattr(layer, name)
-
-
-def mat(w: Linear) -> Any:
-    """The kernel's view of a weight matrix (see `Linear.ss_mat`)."""
-    return w.ss_mat()
-
-
 def _bytes_per_weight(w: Linear) -> float:
     return w.nbytes / (w.n * w.k)
 
@@ -112,17 +102,17 @@ class CpuTeamDecoder:
         lm = model.lm_head
         self.shape = cpu_plan.Shape(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-            c.vocab_size, {name: _bytes_per_weight(_field(layers[0], name)) for name in ("qkv", "o", "gate_up", "down")}
+            c.vocab_size, {n: _bytes_per_weight(getattr(layers[0], n)) for n in ("qkv", "o", "gate_up", "down")}
             | {"lm_head": _bytes_per_weight(lm)})
         # the C side keeps raw pointers: these objects keep what they point to alive
         self._layers = (SSLayer * c.num_layers)(*[
-            SSLayer(mat(_field(L, "qkv")), mat(_field(L, "o")), mat(_field(L, "gate_up")), mat(_field(L, "down")),
-                    _ptr(_field(L, "attn_norm")), _ptr(_field(L, "ffn_norm")), _ptr(_field(L, "q_norm")),
-                    _ptr(_field(L, "k_norm")), kv.k[i].data_ptr(), kv.v[i].data_ptr())
+            SSLayer(L.qkv.ss_mat(), L.o.ss_mat(), L.gate_up.ss_mat(), L.down.ss_mat(),
+                    _ptr(L.attn_norm), _ptr(L.ffn_norm), _ptr(L.q_norm),
+                    _ptr(L.k_norm), kv.k[i].data_ptr(), kv.v[i].data_ptr())
             for i, L in enumerate(layers)])
         self._model = SSModel(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                               c.intermediate_size, c.vocab_size, 0, c.rms_norm_eps, c.head_dim ** -0.5,
-                              self._layers, mat(model.embed), mat(lm), model.norm.data_ptr())
+                              self._layers, model.embed.ss_mat(), lm.ss_mat(), model.norm.data_ptr())
         self._static: dict[int, _Static] = {}
 
     @classmethod
@@ -138,7 +128,7 @@ class CpuTeamDecoder:
         c = model.cfg
         if c.head_dim % 2 or c.num_heads % c.num_kv_heads:
             return "the native runtime needs an even head size and whole query groups"
-        mats = [_field(L, k) for L in model.layers for k in ("qkv", "o", "gate_up", "down")]
+        mats = [w for L in model.layers for w in L.linears()]
         mats += [model.lm_head, model.embed]
         for m in mats:
             if m.packed and m.k % 32:

@@ -12,7 +12,6 @@ dequantization bit for bit, and the kernels multiply the packed codes with fp32 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -44,20 +43,6 @@ def matvec_only() -> Iterator[None]:
         yield
     finally:
         _path.matvec_only = old
-
-
-@contextlib.contextmanager
-def int8_products() -> Iterator[None]:
-    """Within this block packed CPU products quantize their activations to int8 per group of 32 and
-    run on the native runtime's kernels and thread team (`ss_linear`), whatever the number of rows:
-    prefill then rounds exactly like the native runtime's fast decode steps (a row's result does
-    not depend on the other rows), so a recomputed or prefix-cached token sees the same numbers."""
-    old = getattr(_path, "int8", False)
-    _path.int8 = True
-    try:
-        yield
-    finally:
-        _path.int8 = old
 
 
 def _f16_to_f32(b: torch.Tensor) -> torch.Tensor:
@@ -195,13 +180,6 @@ class Linear:
             return out.add_(y) if accumulate else out.copy_(y)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
-        if getattr(_path, "int8", False):
-            if out is None:
-                out = torch.empty(rows, self.n, dtype=torch.float32)
-                accumulate = False
-            m = self.ss_mat()
-            lib.ss_linear(ctypes.byref(m), rows, x.data_ptr(), out.data_ptr(), int(accumulate), 0)
-            return out
         if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
             y = torch.nn.functional.linear(x, self.widen(lib), self.bias)
             if out is None:

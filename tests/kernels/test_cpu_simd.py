@@ -9,7 +9,6 @@ import torch
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kernels.cpu import reference as ref
-from slipstream.runtime.cpu_team import mat
 from slipstream.weights.quant import Q4_0, Q4_1, Q4_F32, Q8_0, Linear, concat_rows
 
 lib = load_library()
@@ -40,7 +39,7 @@ def _parts(w: Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 
 def _matmul(w: Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.n)
-    m = mat(w)
+    m = w.ss_mat()
     lib.ss_matmul(ctypes.byref(m), x.shape[0], x.contiguous().data_ptr(), y.data_ptr(), int(exact))
     return y
 

@@ -79,7 +79,6 @@ def load_library() -> ctypes.CDLL | None:
         "ss_matmul": [vp, i32, vp, vp, i32],
         "ss_quantize": [vp, i32, i32, vp, vp, vp],
         "ss_profile": [i32, vp],
-        "ss_linear": [vp, i32, vp, vp, i32, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

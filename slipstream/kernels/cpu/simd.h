@@ -90,6 +90,12 @@ AI __m256i ss_dot_u8s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
+
+// the four groups' 8-lane partial sums p[0..3] -> one total per group
+AI __m128i ss_sum4(const __m256i p[4]) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
 #endif
 
 // sum a[i] * b[i]
@@ -210,9 +216,7 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             __m256i p[4];
             for (int j = 0; j < 4; j++) p[j] = ss_dot_u8s8(wq[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(t), acc[b]);
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
         }
     }
     for (; g < G; g++) {
@@ -286,9 +290,7 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
             __m256i p[4];
             for (int j = 0; j < 4; j++)
                 p[j] = ss_dot_u8s8(wa[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), ws[j]));
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(t), acc[b]);
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
         }
     }
     for (; g < G; g++) {

@@ -90,17 +90,7 @@ enum {
     OP_DOWN = 7,      // rows t0..t1 of Wdown: x += act Wdown^T
     OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T
     OP_ARGMAX = 9,    // row t0: next token = argmax(logits) (lowest index on ties)
-    OP_LIN_PREP = 10, // ss_linear: activation rows t0..t1 quantized (or summed)
-    OP_LIN_MAT = 11,  // ss_linear: weight rows t0..t1 against every activation row
 };
-
-// One product y (=|+=) x W^T over many rows (ss_linear: prefill on the fast path)
-typedef struct {
-    const SSMat *m;
-    SSAct x;
-    float *y;
-    int32_t rows, accumulate;
-} SSLinJob;
 
 // -- products over a tile of weight rows -------------------------------------------------------------
 // y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
@@ -279,14 +269,6 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     }
 }
 
-static void run_lin_task(const SSLinJob *j, const SSTask *t, int exact) {
-    if (t->op == OP_LIN_PREP) {
-        for (int b = t->t0; b < t->t1; b++) prepare(&j->x, b, j->m->k, 0, j->m->k, exact);
-    } else {
-        mat_rows(j->m, t->t0, t->t1, j->rows, &j->x, j->y, j->m->n, j->accumulate, exact);
-    }
-}
-
 // -- the team ------------------------------------------------------------------------------------------
 #define MAX_THREADS 256
 
@@ -310,7 +292,6 @@ typedef struct {
     // the current job (written by the caller before it publishes a new generation)
     const SSModel *model;
     const SSStep *step;
-    const SSLinJob *lin;
     const SSTask *tasks;
     int32_t n_tasks, exact;
     _Atomic int32_t *events;
@@ -328,7 +309,7 @@ typedef struct {
 } Team;
 
 // optional per-opcode profile: busy and waiting nanoseconds, summed over threads
-#define N_OPS 12
+#define N_OPS 10
 static int prof_on;
 static _Atomic int64_t prof_busy[N_OPS], prof_wait[N_OPS], prof_count[N_OPS];
 
@@ -381,8 +362,7 @@ static void work(uint32_t g) {
         const int64_t t0 = prof_on ? now_ns() : 0;
         if (t->wait_ev >= 0) wait_at_least(&T.events[t->wait_ev], t->wait_count);
         const int64_t t1 = prof_on ? now_ns() : 0;
-        if (t->op >= OP_LIN_PREP) run_lin_task(T.lin, t, T.exact);
-        else run_task(T.model, T.step, t, T.exact);
+        run_task(T.model, T.step, t, T.exact);
         if (prof_on) {
             atomic_fetch_add(&prof_wait[t->op], t1 - t0);
             atomic_fetch_add(&prof_busy[t->op], now_ns() - t1);
@@ -452,13 +432,12 @@ int ss_team_configure(int nthreads, int spin_wait, int spin_idle) {
 }
 
 // Run one step's task table; events: n_events int32 counters (zeroed here).
-static void run_table(const SSModel *model, const SSStep *step, const SSLinJob *lin, const SSTask *tasks,
-                      int n_tasks, int32_t *events, int n_events, int exact) {
+void ss_step(const SSModel *model, const SSStep *step, const SSTask *tasks, int n_tasks,
+             int32_t *events, int n_events, int exact) {
     pthread_mutex_lock(&T.lock);
     memset(events, 0, sizeof(int32_t) * (size_t)n_events);
     T.model = model;
     T.step = step;
-    T.lin = lin;
     T.tasks = tasks;
     T.n_tasks = n_tasks;
     T.exact = exact;
@@ -471,40 +450,6 @@ static void run_table(const SSModel *model, const SSStep *step, const SSLinJob *
     work(g);
     wait_at_least(&T.finished, n_tasks);
     pthread_mutex_unlock(&T.lock);
-}
-
-void ss_step(const SSModel *model, const SSStep *step, const SSTask *tasks, int n_tasks,
-             int32_t *events, int n_events, int exact) {
-    run_table(model, step, NULL, tasks, n_tasks, events, n_events, exact);
-}
-
-// y[B][N] (=|+=) X[B][K] W^T on the team, through the step's row kernels: the fast path's int8
-// activations (exact = 0) or fp32 ones. Prefill uses it so that a prompt's products round exactly
-// like the decode steps' (a row's result does not depend on how many rows share the call).
-void ss_linear(const SSMat *m, int B, const float *x, float *y, int accumulate, int exact) {
-    const int K = m->k, G = K / 32;
-    SSLinJob j = {m, {(float *)x, (int8_t *)malloc((size_t)B * K + 64), (float *)malloc(sizeof(float) * (B * G + 16)),
-                      (float *)malloc(sizeof(float) * (B * G + 16))}, y, B, accumulate};
-    const int threads = T.nthreads;
-    const int prep_rows = 16, n_prep = (B + prep_rows - 1) / prep_rows;
-    // weight tiles: at least 4 per thread, rows in multiples of 8
-    int units = (m->n + 7) / 8, want = threads > 1 ? 4 * threads : 1;
-    if (want > units) want = units;
-    const int per = (units + want - 1) / want, n_mat = (units + per - 1) / per;
-    SSTask *tasks = (SSTask *)malloc(sizeof(SSTask) * (size_t)(n_prep + n_mat));
-    int n = 0;
-    for (int i = 0; i < n_prep; i++)
-        tasks[n++] = (SSTask){OP_LIN_PREP, -1, i * prep_rows, (i + 1) * prep_rows < B ? (i + 1) * prep_rows : B, -1, 0, 0, 0};
-    for (int i = 0; i < n_mat; i++) {
-        const int r1 = (i + 1) * per * 8 < m->n ? (i + 1) * per * 8 : m->n;
-        tasks[n++] = (SSTask){OP_LIN_MAT, -1, i * per * 8, r1, 0, n_prep, 1, 0};
-    }
-    int32_t events[2];
-    run_table(NULL, NULL, &j, tasks, n, events, 2, exact);
-    free(tasks);
-    free(j.x.q);
-    free(j.x.d);
-    free(j.x.s);
 }
 
 // Turn the profile on or off (clearing it); out: [3][N_OPS] busy ns, wait ns, task count.
