@@ -37,12 +37,20 @@ test: lint test-tools
 	$(BIN)/python -m pytest -q
 
 # Debian's aarch64 cross-compiler and qemu-user for the Arm kernel tests (tests/kernels/test_isa_builds.py);
-# best effort: without them (no apt, not root) those tests are skipped with that reason
+# best effort: without them (no apt, not root) those tests are skipped with that reason.
+# Likewise Debian's chromium for the chat page's browser test (tests/server/test_chat_page.py, driven by
+# Playwright with no browser download; apt's lists are refreshed once if the first try fails).
 test-tools:
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null 2>&1; } || \
 	  echo "note: no aarch64 cross-compiler / qemu-user: the Arm kernel tests will be skipped"
+	@command -v chromium >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "note: no chromium: the chat page's browser test will be skipped"
 
 # peers for benchmarks/cpu_decode.py: llama.cpp built for this CPU (--no-cache-dir: a wheel cached on
 # another CPU dies with an illegal instruction; no AMX: the AMX build crashed on multi-token prompts on
