@@ -24,7 +24,9 @@ ALLOWED = {
     "weights": {"errors", "config", "kernels", "tokenizer", "weights"},
     "models": {"errors", "config", "kernels", "kv", "step", "weights"},
     "runtime": {"errors", "config", "kernels", "kv", "step", "weights", "models"},
-    "engine": {"errors", "config", "kernels", "kv", "step", "weights", "models", "runtime", "tokenizer"},
+    "engine": {"errors", "config", "kernels", "kv", "step", "weights", "models", "runtime", "tokenizer",
+               "structured"},
+    "structured": {"errors"},   # grammars, tool-call parsers, reasoning: below the engine and the server
 }
 
 
