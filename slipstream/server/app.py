@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /v1/models/{id}
     POST /tokenize   POST /detokenize   GET /health   GET /metrics   GET /version
-    GET /openapi.json   GET /docs
+    GET /openapi.json   GET /docs   GET / (the chat page; its files under /static/)
 
 Every error is OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code"}}` with a stable
 `code` (protocol.ERROR_CODES): 4xx for anything about the request (400 names the parameter, and
@@ -12,6 +12,10 @@ that the response names. Streams are server-sent events ending in `data: [DONE]`
 server has to cut ends with an `error` event, then `[DONE]`. Each choice of a request (`n`) is its
 own engine request; a client that goes away has its requests aborted (their KV blocks freed).
 
+The chat page (`static/`: plain HTML, CSS and JS modules, no build step, nothing fetched from
+elsewhere) is served without the API key, since it holds no data and the API calls it makes send the
+key, but through the same Host check; its files are read once at start-up.
+
 The layers: http.py (request guard, connection protocol) -> routes.py (one function per route
 over state.py's AppState; CPU work on the worker pool) -> streaming.py (one SSE path) ->
 async_engine.py (the engine thread, typed messages).
@@ -19,10 +23,13 @@ async_engine.py (the engine thread, typed messages).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -33,13 +40,86 @@ from starlette.routing import Route
 
 from slipstream.errors import SlipstreamError
 from slipstream.server.config import ServerConfig, default_allowed_hosts
-from slipstream.server.http import RequestGuard, json_error_bytes, protocol_class
+from slipstream.server.http import RequestGuard, json_error_bytes, protocol_class, send_error
 from slipstream.server.openapi import docs_html, openapi_document
 from slipstream.server.protocol import APIError, error_body
 from slipstream.server.routes import ROUTES
 from slipstream.server.state import AppState
 
 log = logging.getLogger("slipstream.server")
+
+
+# -- the chat page ------------------------------------------------------------------------------------
+
+STATIC_DIR = Path(__file__).parent / "static"
+STATIC_PREFIX = "/static/"
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+# the page runs only its own files and talks only to this server: no inline script, no other origin
+PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "x-frame-options": "DENY",
+    "cache-control": "no-cache",        # always revalidated (ETag): a new version of the page shows at once
+}
+
+
+class ChatPage:
+    """The files of `directory` as an ASGI app: `/` is index.html, `/static/NAME` the others (flat,
+    only the known types), each with its content type, an ETag and `PAGE_HEADERS`; GET and HEAD only."""
+
+    def __init__(self, directory: Path = STATIC_DIR):
+        self.files: dict[str, tuple[bytes, str, str]] = {}     # path -> (body, content type, etag)
+        for f in sorted(directory.iterdir()) if directory.is_dir() else ():
+            ctype = CONTENT_TYPES.get(f.suffix)
+            if ctype is None or not f.is_file():
+                continue
+            body = f.read_bytes()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+            self.files["/" if f.name == "index.html" else STATIC_PREFIX + f.name] = (body, ctype, etag)
+
+    @staticmethod
+    def serves(path: str) -> bool:
+        return path == "/" or path.startswith(STATIC_PREFIX)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path, method = scope["path"], scope["method"]
+        found = self.files.get(path)
+        if found is None:
+            await send_error(send, 404, f"Invalid URL ({method} {path[:200]})", "not_found")
+            return
+        if method not in ("GET", "HEAD"):
+            await send_error(send, 405, f"Method {method} is not allowed on {path[:200]}", "method_not_allowed",
+                             headers={"Allow": "GET, HEAD"})
+            return
+        body, ctype, etag = found
+        headers = [(k.encode(), v.encode()) for k, v in PAGE_HEADERS.items()] + [(b"etag", etag.encode())]
+        if_none_match = next((v for k, v in scope["headers"] if k == b"if-none-match"), b"").decode("latin-1")
+        if etag in (t.strip() for t in if_none_match.split(",")) or if_none_match.strip() == "*":
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        headers += [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if method == "HEAD" else body})
+
+
+class PageRouter:
+    """Middleware outside the request guard: requests for the chat page go to it through a guard
+    without the API key (the Host check and the rest still apply); everything else goes on to the API."""
+
+    def __init__(self, app: Any, config: ServerConfig, page: ChatPage):
+        self.app = app
+        self.page = page
+        self.open_guard = RequestGuard(page, replace(config, api_key=None))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.page.serves(scope["path"]):
+            await self.open_guard(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
 def _endpoint(S: AppState, route: Any) -> Any:
@@ -101,6 +181,7 @@ def build_app(llm: Any, config: ServerConfig | None = None, *, served_model_name
                     exception_handlers={APIError: api_error, StarletteHTTPException: http_error})
     app.state.server = S
     app.add_middleware(RequestGuard, config=config)
+    app.add_middleware(PageRouter, config=config, page=ChatPage())
     if config.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
@@ -152,6 +233,8 @@ def run_server(llm: Any, config: ServerConfig | None = None, *, host: str = "127
                              timeout_keep_alive=config.idle_timeout,  # type: ignore[arg-type]
                              timeout_graceful_shutdown=5, server_header=False)
     server = _Server(uconfig)
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("uvicorn.error").info("Chat page: http://%s:%d/ (in a browser)", shown, port)
     # uvicorn re-raises the signal it stopped on once it has restored the handlers it found; with
     # these no-op handlers in place a graceful shutdown ends with a normal return (exit code 0).
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
