@@ -31,6 +31,9 @@ from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder, DecoderOptions
 from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
 from slipstream.step import StepBuilder, StepInput
+from slipstream.structured.constraint import ConstraintError
+from slipstream.structured.grammar import Matcher, compile_constraint
+from slipstream.structured.masks import MaskJob, apply_masks, fill_masks
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30   # KV-cache size when not given: up to twice the context, within this
@@ -87,6 +90,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, self.prefix_cache, config)
         self.sampler = Sampler()
+        self.vocab_size = cfg.vocab_size
         self.runtime: Decoder = build_decoder(
             self.runtime_name, model, self.kv,
             DecoderOptions(max_rows=config.spec_rows, max_context=self.max_model_len,
@@ -154,12 +158,23 @@ class Engine:
             r.metrics.scheduled = r.metrics.finished = time.perf_counter()
             self._pending.append(StepEvent(r, "", []))
             return
+        if r.params.constraint is not None:
+            r.matcher = self._matcher(r)
         self.scheduler.add(r)            # may raise QueueFullError
         r.generator = make_generator(r.params.seed)
-        r.detok = self.tokenizer.detokenizer()
+        r.detok = self.tokenizer.detokenizer(r.params.skip_special_tokens)
         self.requests[r.request_id] = r
         if key is not None:
             self._merge_index[key] = r
+
+    def _matcher(self, r: Request) -> Matcher:
+        """The grammar matcher of a constrained request (a bad constraint is the caller's error)."""
+        assert r.params.constraint is not None
+        try:
+            grammar = compile_constraint(self.tokenizer, r.params.constraint, self.vocab_size)
+            return Matcher(grammar, self.tokenizer, self.vocab_size)
+        except ConstraintError as e:
+            raise SlipstreamError(str(e)) from None
 
     def _follow(self, r: Request, primary: Request) -> None:
         r.merged_into = primary
@@ -248,7 +263,11 @@ class Engine:
                 for r, t in zip(plan.decode, tokens):
                     events += self._append(r, t, None, now)
             else:
-                events += self._sample(plan.decode, self._decode(plan.decode))
+                constrained = [r.matcher for r in plan.decode]
+                # the grammar masks are filled on a helper thread while the model runs the step
+                job = MaskJob(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
+                logits = self._decode(plan.decode)
+                events += self._sample(plan.decode, logits, job.result() if job is not None else None)
         if plan.prefill:
             events += self._prefill(plan)
         for r in [r for r in self.scheduler.running if r.finished]:
@@ -269,7 +288,7 @@ class Engine:
         on the device: the same token as the host's argmax (lowest index on ties)."""
         return (self.runtime.device_greedy and not self.needs_hidden
                 and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
-                        for r in batch))
+                        and r.matcher is None for r in batch))
 
     def _decode(self, batch: list[Request], tokens_only: bool = False) -> torch.Tensor:
         """One decode step of `batch`: last-position logits, or with `tokens_only` the greedy tokens
@@ -319,6 +338,9 @@ class Engine:
             return None
         drafts, qs = self.proposer.propose_batch(batch, ks)
         drafts = [d[:k] for d, k in zip(drafts, ks)]
+        # guesses past the first one the grammar forbids would be rejected anyway: not verified
+        drafts = [d[:r.matcher.valid_prefix(d)] if r.matcher is not None and d else d
+                  for r, d in zip(batch, drafts)]
         return (drafts, qs) if any(drafts) else None
 
     def _decode_speculative(self, batch: list[Request], drafts: list[list[int]],
@@ -349,7 +371,11 @@ class Engine:
             before = len(r.output_ids)
             for j in range(len(d) + 1):
                 draft = d[j] if j < len(d) else None
-                tok, ok, pen = verify_row(logits[base + j], r.params, r.prompt_ids, r.output_ids,
+                row_logits = logits[base + j]
+                if r.matcher is not None:   # the grammar's mask after the tokens kept so far
+                    row_logits = apply_masks(row_logits[None].float().clone(),
+                                             fill_masks([r.matcher], self.vocab_size))[0]
+                tok, ok, pen = verify_row(row_logits, r.params, r.prompt_ids, r.output_ids,
                                           r.generator, draft, q[j] if q and draft is not None else None)
                 lp = None
                 if r.params.logprobs is not None:
@@ -408,7 +434,13 @@ class Engine:
         if r.kv.num_tokens // self.kv.block_size > r.kv.num_hashed_blocks:
             self.prefix_cache.commit(r.seq, r.all_token_ids)
 
-    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[StepEvent]:
+    def _sample(self, batch: list[Request], logits: torch.Tensor,
+                masks: torch.Tensor | None = None) -> list[StepEvent]:
+        rows = [i for i, r in enumerate(batch) if r.matcher is not None]
+        if rows:   # forbidden tokens of constrained rows to -inf (a copy: the runtime owns its logits)
+            if masks is None:
+                masks = fill_masks([r.matcher for r in batch], self.vocab_size)
+            logits = apply_masks(logits.float().clone(), masks[rows], rows)
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
                            [r.output_ids for r in batch], [r.generator for r in batch])
         now = time.perf_counter()
@@ -425,12 +457,17 @@ class Engine:
         r.metrics.num_output_tokens += 1
         if lp is not None:
             r.logprobs.append(lp)
-        if (tok in self.tokenizer.eos_token_ids and not p.ignore_eos) or tok in (p.stop_token_ids or ()):
+        if r.matcher is not None:
+            r.matcher.accept(tok)
+        if ((tok in self.tokenizer.eos_token_ids and (not p.ignore_eos or r.matcher is not None))
+                or tok in (p.stop_token_ids or ())):
             r.finish_reason = "stop"
         else:
             before = len(r.text)
             r.text += r.detok.add(tok)
             self._check_stop_strings(r, before)
+            if r.finish_reason is None and r.matcher is not None and r.matcher.finished:
+                r.finish_reason = "stop"   # the grammar is complete and allows nothing more
         if r.finish_reason is None and (len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len):
             r.finish_reason = "length"
         return self._emit(r, self._finish_text(r, now), [tok], [lp] if lp is not None else [])

@@ -56,6 +56,7 @@ class Request:
     kv: SequenceKV | None = None
     generator: torch.Generator | None = None
     detok: Any = None            # IncrementalDetokenizer
+    matcher: Any = None          # structured.grammar.Matcher when params.constraint is set
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # scheduling state
     arrival_seq: int = field(default_factory=lambda: next(_arrivals))  # FIFO tie-break

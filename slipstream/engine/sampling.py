@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slipstream.structured.constraint import Constraint
+
 __all__ = [
     "SamplingParams",
     "Sampler",
@@ -70,6 +72,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # None => no logprobs; k >= 0 => logprob of the sampled token plus the top-k alternatives.
     logprobs: int | None = None
+    # structured output: the output must match this (JSON schema, regex, choice, grammar); part of
+    # the repr, so requests merge only with requests under the same constraint
+    constraint: Constraint | None = None
+    skip_special_tokens: bool = True   # drop special tokens from the text (a tool parser may need them)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
@@ -102,6 +108,10 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint must be a Constraint or None, got {self.constraint!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
 
         # Normalise so the rest of the engine can always iterate over lists.
         stop = self.stop

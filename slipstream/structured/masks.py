@@ -1,0 +1,69 @@
+"""Token bitmasks for the constrained rows of a batch, and their application to logits.
+
+A bitmask row holds one bit per vocabulary entry (int32 words, bit t%32 of word t//32, llguidance's
+layout). `fill_masks` fills the rows of the requests that carry a matcher; `MaskJob` does the same
+on a helper thread so that the masks are computed while the model runs its decode step (the
+grammar library and the native step both release the GIL); `apply_masks` sets the forbidden
+logits of those rows to -inf.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+
+def words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+def fill_masks(matchers: Sequence[Any], vocab: int) -> torch.Tensor:
+    """An int32 [len(matchers), words(vocab)] bitmask; rows of None matchers allow everything."""
+    out = torch.full((len(matchers), words(vocab)), -1, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill(out[i])
+    return out
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+    """Forbidden tokens of `logits` rows set to -inf, in place; row i of `bitmask` masks `rows[i]`
+    (default: row i). Columns past the bitmask's width are forbidden."""
+    rows = list(range(bitmask.shape[0])) if rows is None else list(rows)
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")   # [R, 32 * words]
+    allowed = torch.from_numpy(bits[:, :vocab].astype(bool))
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    idx = torch.tensor(rows, dtype=torch.long)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, idx, sub)
+    return logits
+
+
+class MaskJob:
+    """`fill_masks` on a helper thread: start it before the model step, `result()` after."""
+
+    def __init__(self, matchers: Sequence[Any], vocab: int):
+        self._out: torch.Tensor | None = None
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(list(matchers), vocab), daemon=True,
+                                        name="slipstream-masks")
+        self._thread.start()
+
+    def _run(self, matchers: list[Any], vocab: int) -> None:
+        try:
+            self._out = fill_masks(matchers, vocab)
+        except BaseException as e:   # re-raised on the engine thread
+            self._err = e
+
+    def result(self) -> torch.Tensor:
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        assert self._out is not None
+        return self._out
