@@ -223,3 +223,32 @@ class GraphDecoder(BucketedDecoder):
     @staticmethod
     def logits_of(s: _Static) -> torch.Tensor:
         return s.logits
+
+
+def meta_decoder(cfg, batch: int, context: int, dtype: torch.dtype = torch.bfloat16,
+                 configs: KernelConfigs | None = None) -> tuple[GraphDecoder, _Static]:
+    """A GraphDecoder over "meta" weights and KV cache (shapes and dtypes, no storage) and one bucket's
+    buffers: running its `_body` inside `kernels.triton.offline.record()` lists the launches a captured
+    step holds (offline compilation, the GPU latency model, the launch-count test), without a GPU."""
+    from slipstream.models.llama import LlamaModel
+    from slipstream.weights.layers import LlamaLayer
+
+    H, KVH, D, Hd, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+
+    def mat(n: int, k: int) -> Linear:
+        return Linear(n, k, torch.empty(n, k, dtype=dtype, device="meta"))
+
+    def vec(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.float32, device="meta")
+    weights: dict[str, Any] = {"embed": mat(cfg.vocab_size, Hd), "norm": vec(Hd)}
+    weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else mat(cfg.vocab_size, Hd)
+    for i in range(cfg.num_layers):
+        weights[f"layers.{i}"] = LlamaLayer(attn_norm=vec(Hd), ffn_norm=vec(Hd), qkv=mat((H + 2 * KVH) * D, Hd),
+                                            o=mat(Hd, H * D), gate_up=mat(2 * F, Hd), down=mat(Hd, F))
+    model = LlamaModel(cfg, weights)
+    model.inv_freq = model.inv_freq.to("meta")
+    model.device, model.kv_dtype = torch.device("meta"), dtype
+    blocks = -(-context // 16) * batch
+    kv = PagedKVCache(cfg.num_layers, blocks, 16, KVH, D, dtype=dtype, device="meta")
+    dec = GraphDecoder(model, kv, max_batch=batch, max_context=context, capture=False, configs=configs)
+    return dec, dec._alloc(batch, context)

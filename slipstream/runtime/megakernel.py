@@ -520,6 +520,11 @@ def check(s: _Static) -> None:
                           f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
 
 
+def default_tiles(cfg, max_context: int, num_programs: int) -> TileConfig:
+    """The plan's tiles for a context bucket on `num_programs` programs."""
+    return TileConfig()
+
+
 MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it
 
 

@@ -1,0 +1,433 @@
+"""A latency model of one decode step on an H100, for the graph and megakernel runtimes, without a GPU.
+
+Every figure this prints is MODELLED, not measured. It exists because GPU time is rare for this
+project: it turns what the compiled code does (read from sm_90a SASS that Triton's offline compiler
+produces here) and what a step must do (the megakernel's task plan, the graph's recorded launches)
+into a step time, so that kernel changes can be compared before a GPU confirms them. When a GPU is
+lent, run `benchmarks/gpu_session.sh` and correct the assumptions below from the measured figures.
+
+    python benchmarks/gpu_model.py                                   # dense-1B, dense-8B x batch 1/4/8
+    python benchmarks/gpu_model.py --shape dense-1B --batch 1 --json # ends with one JSON line
+
+What is read from the compiled code (per kernel, `benchmarks/sass.py`): every loop's instructions
+per iteration, barriers, shuffles, global loads and their width, whether the loop's loads are used in
+the iteration that issues them (one chunk in flight) or carried to the next (two in flight); the
+megakernel's registers and spill stack (`cuobjdump -res-usage`). What comes from the plan/launches:
+tasks (opcode, tile, wait and signal events) and bytes per task; programs and grids per launch.
+
+The model
+---------
+A loop iteration takes max(issue, bytes / per-SM bandwidth, (latency + issue) / chunks in flight),
+issue = instructions x warps / 4 schedulers + 30 cycles per barrier. Megakernel: programs take
+tasks in ticket order (the earliest free program gets the next ticket); a task starts when its
+program is free and its wait event has its count (signal + poll latency after the last producer);
+it costs a ticket atomic, the task-row load, one poll, a release signal, then its loops. Each
+phase's tasks share HBM bandwidth equally (bandwidth / min(tasks of the phase, SMs)). Graph:
+per launch, the launch cost plus waves of programs (occupancy from registers and shared memory).
+Both are floored at the step's bytes / copy bandwidth. Roofline: the step's weight + KV bytes /
+copy bandwidth (the same definition as `gpu_decode.py`).
+
+Assumptions (H100 SXM5 80 GB) and their sources
+----------------------------------------------
+- 132 SMs, 4 warp schedulers per SM issuing one instruction per cycle, 1.755 GHz under load
+  (NVIDIA H100 Tensor Core GPU whitepaper / datasheet: 132 SMs, boost 1.98 GHz; 1.755 GHz assumed
+  sustained).
+- HBM3 3.35 TB/s peak (datasheet); copy bandwidth 3.0 TB/s assumed for the roofline until
+  gpu_decode.py measures it (about 90% of peak, what large device copies reach on H100).
+- Load-to-use latency: HBM 600 ns, L2 hit 270 ns (Chips and Cheese, "Nvidia's H100: Funny L2, and
+  Tons of Bandwidth", pointer-chasing on H100 PCIe, rounded up for a loaded GPU).
+- One SM moves at most 64 bytes per cycle from L2 (half its 128 B/cycle L1).
+- Atomics and the release fence: one L2 round trip each (400 ns), the task row an L2 hit.
+- Kernel launch inside a CUDA graph: 1.3 us per kernel (Hazy Research, "Look Ma, No Bubbles!",
+  2025: measured on an H100 with CUDA graphs).
+- A barrier (bar.sync) costs 30 cycles beyond its issue; spilled registers cost one L1 round trip
+  (35 cycles) per 4 spilled bytes per iteration of the loops (a rough penalty, only if spilled).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter replaces the JIT functions
+    sys.exit("run without TRITON_INTERPRET=1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import sass  # noqa: E402
+
+
+@dataclass(frozen=True)
+class H100:
+    sms: int = 132
+    clock_hz: float = 1.755e9
+    schedulers: int = 4
+    copy_bw: float = 3.0e12          # bytes/s: the roofline's bandwidth (assumed until measured)
+    hbm_ns: float = 600.0
+    l2_ns: float = 270.0
+    sm_bytes_per_cycle: float = 64.0
+    atomic_ns: float = 400.0
+    launch_ns: float = 1300.0
+    barrier_cycles: float = 30.0
+    spill_cycles_per_4b: float = 35.0
+    regs_per_sm: int = 65536
+    shared_per_sm: int = 233472
+    max_blocks_per_sm: int = 32
+
+
+HW = H100()
+
+
+@dataclass
+class LoopCost:
+    """One loop iteration as compiled."""
+    instructions: int
+    barriers: int
+    load_bytes_per_thread: int
+    in_flight: int                # chunks of loads in flight (2: loads carried to the next iteration)
+
+    def seconds(self, warps: int, bytes_per_iter: float, bw_sm: float, latency_ns: float,
+                spill_bytes: int = 0) -> float:
+        cyc = self.instructions * warps / HW.schedulers + self.barriers * HW.barrier_cycles
+        cyc += spill_bytes / 4 * HW.spill_cycles_per_4b if spill_bytes else 0.0
+        issue = cyc / HW.clock_hz
+        bw = min(bw_sm, HW.sm_bytes_per_cycle * HW.clock_hz)
+        return max(issue, bytes_per_iter / bw, (latency_ns * 1e-9 + issue) / self.in_flight)
+
+
+def _in_flight(loop: sass.Loop) -> int:
+    """2 when no global load's result is read later in the same iteration (carried to the next)."""
+    import re
+    loads = [(k, i) for k, i in enumerate(loop.insts) if i.base == "LDG"]
+    if not loads:
+        return 1
+    for k, ld in loads:
+        m = re.match(r"\s*R(\d+)", ld.operands)
+        if not m:
+            continue
+        r0, n = int(m.group(1)), max(1, ld.load_bytes // 4)
+        regs = {f"R{r0 + j}" for j in range(n)}
+        for later in loop.insts[k + 1:]:
+            srcs = later.operands.split(",")[1:] if later.base not in ("STG", "STS", "RED", "ST") else \
+                later.operands.split(",")
+            if any(re.search(rf"\b{r}\b", s) for s in srcs for r in regs):
+                return 1
+    return 2
+
+
+def loop_cost(loop: sass.Loop) -> LoopCost:
+    c = loop.counts
+    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], _in_flight(loop))
+
+
+# -- the megakernel ---------------------------------------------------------------------------------
+def _op_branches(path: Path) -> tuple[dict[int, tuple[int, int]], list[str]]:
+    """{opcode: (first line, last line)} of the `if op == N` chain in `_megakernel`, and the source lines."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    out: dict[int, tuple[int, int]] = {}
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_megakernel")
+    for node in ast.walk(fn):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+                isinstance(node.test.left, ast.Name) and node.test.left.id == "op" and \
+                isinstance(node.test.comparators[0], ast.Constant):
+            op = int(node.test.comparators[0].value)
+            out[op] = (node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno)
+            if node.orelse and not isinstance(node.orelse[0], ast.If):   # the final else: the last opcode
+                out[op + 100] = (node.orelse[0].lineno, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
+    last = max(k for k in out if k < 100)
+    if last + 100 in out:
+        out[last + 1] = out.pop(last + 100)
+    return out, text.splitlines()
+
+
+KINDS = (("_rms_rstd(", "rstd"), ("_mv", "mv"), ("_prefetch_weights(", "prefetch"), ("BT_OFF", "attn"),
+         ("PM_OFF", "reduce"), ("LOGITS_OFF + b * V", "argmax"), ("ARGMAX", "argmax"), ("sync_ptr + wait_ev", "spin"))
+
+
+@dataclass
+class MegakernelCode:
+    loops: dict[int, list[tuple[str, LoopCost]]]    # opcode -> its loops in code order, with their kind
+    regs: int
+    spill: int
+    warps: int
+
+
+def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCode:
+    from slipstream.runtime import megakernel as mk
+    k = mk.compile_offline(plan, num_warps=num_warps, prefetch=prefetch)
+    use = mk.resource_usage(k.asm["cubin"])
+    text = sass.disassemble(k.asm["cubin"])
+    branches, src = _op_branches(Path(mk.__file__))
+    per_op: dict[int, list[tuple[str, LoopCost]]] = {}
+    for lp in sass.loops(text):
+        if not lp.innermost:
+            continue
+        lines = sorted(ln for f, ln in lp.lines() if f == "megakernel.py")
+        op = next((o for o, (a, b) in branches.items() if any(a <= ln <= b for ln in lines)), None)
+        body = "\n".join(src[ln - 1] for ln in lines if 0 < ln <= len(src))
+        kind = next((kd for key, kd in KINDS if key in body), "other")
+        if op is None:
+            continue
+        per_op.setdefault(op, []).append((kind, loop_cost(lp)))
+    return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps)
+
+
+def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, int],
+                  context: int) -> tuple[float, float]:
+    """(seconds of the task's body, weight/KV bytes it reads from HBM)."""
+    from slipstream.runtime.plan import Op
+    op, t0, t1 = r[0], r[2], r[3]
+    B, Hd, F, V = plan.batch, plan.hidden_size, plan.intermediate_size, plan.vocab_size
+    D, KVH, G = plan.head_dim, plan.num_kv_heads, plan.group
+    bk = consts["BLOCK_K"]
+    warps = code.warps
+    total, hbm = 0.0, 0.0
+    loops = code.loops.get(op, [])
+    rows_of = {Op.QKV_ROPE: D, Op.O_PROJ: t1 - t0, Op.GATE_UP: t1 - t0, Op.DOWN: t1 - t0, Op.LM_HEAD: t1 - t0}
+    k_of = {Op.QKV_ROPE: Hd, Op.O_PROJ: plan.num_heads * D, Op.GATE_UP: Hd, Op.DOWN: F, Op.LM_HEAD: Hd}
+    mv_loops = [lc for kd, lc in loops if kd == "mv"]
+    for kind, lc in loops:
+        if kind == "rstd":
+            it = math.ceil(Hd / lc_block(consts, "rstd"))
+            total += it * lc.seconds(warps, B * lc_block(consts, "rstd") * 4, bw_sm, HW.l2_ns, code.spill)
+        elif kind == "mv":
+            rows, K = rows_of[Op(op)], k_of[Op(op)]
+            bk_op = consts.get(f"BK_{Op(op).name}", bk)
+            it = math.ceil(K / bk_op)
+            share = rows / len(mv_loops) * (2 if Op(op) == Op.GATE_UP and len(mv_loops) == 1 else 1)
+            nbytes = share * bk_op * 2
+            total += it * lc.seconds(warps, nbytes, bw_sm, HW.hbm_ns, code.spill)
+            hbm += share * K * 2
+        elif kind == "attn":
+            P = plan.tiles.partition
+            s = t1
+            for _ in range(B):
+                n = max(0, min(P, context - s * P))
+                it = math.ceil(n / consts["BLOCK_T"])
+                nbytes = 2 * consts["BLOCK_T"] * D * 2
+                total += it * lc.seconds(warps, nbytes, bw_sm, HW.hbm_ns, code.spill)
+                hbm += 2 * n * D * 2
+        elif kind == "reduce":
+            it = max(1, math.ceil(math.ceil(context / plan.tiles.partition) / consts["S_BLOCK"]))
+            total += B * it * lc.seconds(warps, G * consts["S_BLOCK"] * 4, bw_sm, HW.l2_ns, code.spill)
+        elif kind == "argmax":
+            n_items = V if consts.get("ARGMAX_ITEMS") is None else consts["ARGMAX_ITEMS"]
+            it = math.ceil(n_items / consts["BLOCK_V"])
+            total += B * it * lc.seconds(warps, consts["BLOCK_V"] * 4, bw_sm, HW.l2_ns, code.spill)
+    return total, hbm
+
+
+def lc_block(consts: dict[str, int], kind: str) -> int:
+    return consts.get("BLOCK_K_STATS", consts["BLOCK_K"]) if kind == "rstd" else consts["BLOCK_K"]
+
+
+def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int = 0,
+                     num_warps: int = 8) -> dict[str, Any]:
+    from slipstream.runtime.megakernel import kernel_constants
+    from slipstream.runtime.plan import Op
+    code = megakernel_code(plan, num_warps=num_warps, prefetch=prefetch)
+    consts = kernel_constants(plan)
+    rows = plan.tasks.tolist()
+    phase: dict[tuple[int, int], int] = {}
+    for r in rows:
+        phase[(r[0], r[1])] = phase.get((r[0], r[1]), 0) + 1
+    P = HW.sms * programs_per_sm
+    free = [0.0] * P
+    ev_count = [0] * plan.num_events
+    ev_time = [0.0] * plan.num_events
+    overhead = (2 * HW.atomic_ns + HW.l2_ns) * 1e-9      # ticket, task row, the satisfied poll
+    signal = HW.atomic_ns * 1e-9
+    busy = 0.0
+    end = 0.0
+    by_op: dict[str, float] = {}
+    import heapq
+    heap = [(0.0, p) for p in range(P)]
+    heapq.heapify(heap)
+    for r in rows:
+        t_free, p = heapq.heappop(heap)
+        start = t_free + overhead
+        if r[4] >= 0:
+            start = max(start, ev_time[r[4]] + HW.atomic_ns * 1e-9)
+        active = min(phase[(r[0], r[1])], HW.sms) * 1.0
+        bw_sm = HW.copy_bw / active / programs_per_sm
+        body, _ = _task_seconds(plan, code, r, bw_sm, consts, context)
+        done = start + body + signal
+        busy += body
+        by_op[Op(r[0]).name] = by_op.get(Op(r[0]).name, 0.0) + body
+        ev_count[r[6]] += 1
+        ev_time[r[6]] = max(ev_time[r[6]], done)
+        heapq.heappush(heap, (done, p))
+        end = max(end, done)
+    roof = roofline_bytes(plan, context)
+    t = max(end, roof / HW.copy_bw) + HW.launch_ns * 1e-9
+    return {"us": t * 1e6, "pct_roofline": 100.0 * roof / HW.copy_bw / t, "tasks": len(rows),
+            "registers": code.regs, "spill_bytes": code.spill,
+            "busy_us_per_sm_by_op": {k: round(v * 1e6 / P, 1) for k, v in by_op.items()},
+            "loops": {str(op): [(kd, vars(lc)) for kd, lc in ls] for op, ls in sorted(code.loops.items())}}
+
+
+def roofline_bytes(plan, context: int) -> float:
+    """Weights (bf16: every matrix once, norms fp32, B embedding rows when untied) + KV read at `context`."""
+    Hd, F, V, H, KVH, D, L = (plan.hidden_size, plan.intermediate_size, plan.vocab_size, plan.num_heads,
+                              plan.num_kv_heads, plan.head_dim, plan.num_layers)
+    per_layer = ((H + 2 * KVH) * D * Hd + Hd * H * D + 2 * F * Hd + Hd * F) * 2 + 2 * Hd * 4
+    w = L * per_layer + V * Hd * 2 + Hd * 4
+    if not plan.weights.tied:
+        w += plan.batch * Hd * 2
+    kv = plan.batch * context * L * 2 * KVH * D * 2
+    return float(w + kv)
+
+
+# -- the graph path ---------------------------------------------------------------------------------
+_COMPILED: dict[str, dict[str, Any]] = {}
+
+
+def _compiled(launch) -> dict[str, Any]:
+    """Loops and resources of a launch's kernel, compiled once per specialisation."""
+    key = _launch_key(launch)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile(launch)
+    return _COMPILED[key]
+
+
+def _compile(launch) -> dict[str, Any]:
+    from slipstream.kernels.triton.offline import compile_launch
+    from slipstream.runtime.megakernel import resource_usage
+    k = compile_launch(launch)
+    text = sass.disassemble(k.asm["cubin"])
+    inner = [lp for lp in sass.loops(text) if lp.innermost]
+    use = resource_usage(k.asm["cubin"])
+    return {"loops": [loop_cost(lp) for lp in inner], "regs": use.get("reg", 0), "spill": use.get("stack", 0),
+            "shared": int(k.metadata.shared), "warps": int(k.metadata.num_warps)}
+
+
+def _launch_key(launch) -> str:
+    def sig(v):
+        if hasattr(v, "dtype") and hasattr(v, "shape"):
+            return f"{v.dtype}{tuple(v.shape)}"
+        return repr(v)
+    return launch.kernel + "|" + ",".join(sig(a) for a in launch.args) + "|" + \
+        ",".join(f"{k}={sig(v)}" for k, v in sorted(launch.kwargs.items()))
+
+
+def _iterations(launch, context: int) -> tuple[int, float]:
+    """(iterations of the kernel's main loop per program, HBM bytes per program) from its arguments."""
+    name, a, kw = launch.kernel, launch.args, launch.kwargs
+    if name.endswith("_matvec_kernel"):
+        x, w = a[0], a[1]
+        K, k_split = a[9], a[12]
+        rows = kw["BLOCK_N"] * (2 if kw["GLU"] else 1)
+        it = math.ceil(min(k_split, K) / kw["BLOCK_K"])
+        esz = w.element_size() if w.dtype.is_floating_point or w.element_size() > 1 else 1
+        per_k = w.shape[1] / K if w.shape[1] != K else 1.0
+        return it, rows * min(k_split, K) * esz * per_k
+    if name.endswith("_paged_decode_split_kernel"):
+        part, bn = kw.get("PARTITION", 256), kw.get("BLOCK_N", 16)
+        n = min(part, context)
+        return math.ceil(n / bn), 2 * n * a[1].shape[-1] * a[1].element_size()
+    if name.endswith("_argmax_kernel"):
+        V = a[0].shape[-1]
+        return math.ceil(V / kw.get("BLOCK", 1024)), 0.0
+    return 1, 0.0
+
+
+def model_graph(cfg, batch: int, context: int) -> dict[str, Any]:
+    from slipstream.kernels.triton import offline
+    from slipstream.runtime.graph import meta_decoder
+    with offline.as_gpu(HW.sms):
+        dec, s = meta_decoder(cfg, batch, context)
+        with offline.record() as launches:
+            dec._body(s)
+    total = HW.launch_ns * 1e-9     # the embedding copy (a torch kernel in the graph)
+    per_kernel: dict[str, float] = {}
+    for ln in launches:
+        info = _compiled(ln)
+        regs = max(info["regs"], 1)
+        threads = 32 * info["warps"]
+        occ = max(1, min(HW.max_blocks_per_sm, HW.regs_per_sm // (regs * threads),
+                         HW.shared_per_sm // max(info["shared"], 1)))
+        slots = HW.sms * occ
+        conc = min(ln.programs, slots)
+        bw_sm = HW.copy_bw / min(ln.programs, HW.sms) / max(1, conc // HW.sms)
+        it, nbytes = _iterations(ln, context)
+        prog = 0.0
+        loops = info["loops"]
+        if loops:
+            main = max(loops, key=lambda lc: lc.load_bytes_per_thread)
+            prog = it * main.seconds(info["warps"], nbytes / max(it, 1), bw_sm, HW.hbm_ns, info["spill"])
+            prog += sum(lc.seconds(info["warps"], 0, bw_sm, HW.l2_ns) for lc in loops if lc is not main)
+        prog += HW.hbm_ns * 1e-9      # the program's first dependent loads and its stores
+        waves = math.ceil(ln.programs / slots)
+        body = max(waves * prog, ln.programs * nbytes / HW.copy_bw)
+        t = HW.launch_ns * 1e-9 + body
+        per_kernel[ln.kernel] = per_kernel.get(ln.kernel, 0.0) + t
+        total += t
+    return {"us": total * 1e6, "launches": len(launches) + 1,
+            "per_kernel_us": {k: round(v * 1e6, 1) for k, v in per_kernel.items()}}
+
+
+def model(shape: str, batch: int, context: int = 512, programs_per_sm: int = 1, prefetch: int = 0) -> dict:
+    from slipstream.models.random_init import shape_config
+    from slipstream.runtime.megakernel import default_tiles
+    from slipstream.runtime.plan import WeightLayout, compile_plan
+    cfg = shape_config(shape)
+    tiles = default_tiles(cfg, context, HW.sms * programs_per_sm)
+    plan = compile_plan(cfg, batch, context, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings), tiles)
+    roof_s = roofline_bytes(plan, context) / HW.copy_bw
+    g = model_graph(cfg, batch, context)
+    m = model_megakernel(plan, context, programs_per_sm, prefetch)
+    return {"modelled": True, "shape": shape, "batch": batch, "context": context,
+            "roofline_us": round(roof_s * 1e6, 1),
+            "graph_us": round(g["us"], 1), "graph_pct_roofline": round(100 * roof_s * 1e6 / g["us"], 1),
+            "graph_launches": g["launches"], "graph_per_kernel_us": g["per_kernel_us"],
+            "megakernel_us": round(m["us"], 1), "megakernel_pct_roofline": round(m["pct_roofline"], 1),
+            "megakernel_tasks": m["tasks"], "megakernel_registers": m["registers"],
+            "megakernel_spill_bytes": m["spill_bytes"], "programs_per_sm": programs_per_sm, "prefetch": prefetch,
+            "megakernel_vs_graph": round(g["us"] / m["us"], 2), "megakernel_loops": m["loops"],
+            "megakernel_busy_us_per_sm_by_op": m["busy_us_per_sm_by_op"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="MODELLED H100 decode-step latency (no GPU)")
+    ap.add_argument("--shape", default=None, help="dense-1B or dense-8B (default both)")
+    ap.add_argument("--batch", type=int, default=None, help="default 1, 4 and 8")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--programs-per-sm", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="per-kernel and per-loop detail")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    a = ap.parse_args()
+    shapes = [a.shape] if a.shape else ["dense-1B", "dense-8B"]
+    batches = [a.batch] if a.batch else [1, 4, 8]
+    results = []
+    print("| shape | batch | roofline us | graph us (modelled) | graph % roofline (modelled) | "
+          "megakernel us (modelled) | megakernel % roofline (modelled) | mk / graph (modelled) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for sh in shapes:
+        for b in batches:
+            r = model(sh, b, a.context, a.programs_per_sm, a.prefetch)
+            results.append(r)
+            print(f"| {sh} | {b} | {r['roofline_us']} | {r['graph_us']} | {r['graph_pct_roofline']} | "
+                  f"{r['megakernel_us']} | {r['megakernel_pct_roofline']} | {r['megakernel_vs_graph']}x |",
+                  flush=True)
+    if a.verbose:
+        for r in results:
+            print(json.dumps({k: r[k] for k in ("shape", "batch", "graph_per_kernel_us", "megakernel_loops",
+                                                "megakernel_busy_us_per_sm_by_op")}))
+    if a.json:
+        slim = [{k: v for k, v in r.items() if k not in ("megakernel_loops", "graph_per_kernel_us",
+                                                           "megakernel_busy_us_per_sm_by_op")} for r in results]
+        print(json.dumps(slim[0] if len(slim) == 1 else {"modelled": True, "results": slim}))
+
+
+if __name__ == "__main__":
+    main()
