@@ -38,6 +38,9 @@ class ServerConfig:
     max_connections: int = 1024              # open connections; past it new ones get 503 and are closed
     drain_timeout: float | None = None       # SIGTERM: seconds in-flight requests may still run
     retry_after_s: int = 1                   # the Retry-After of a 503
+    # -- tools and reasoning ------------------------------------------------------------------------
+    tool_parser: str | None = None           # None: picked from the chat template (hermes when it has none)
+    reasoning_parser: str | None = None      # None: "think" when the template uses <think>; "think" | "none"
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -53,6 +56,12 @@ class ServerConfig:
         for name in ("header_timeout", "body_timeout", "idle_timeout"):
             if not getattr(self, name) > 0:
                 raise SlipstreamError(f"{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.reasoning_parser not in (None, "think", "none"):
+            raise SlipstreamError(f"reasoning-parser must be 'think' or 'none', got {self.reasoning_parser!r}")
+        if self.tool_parser is not None:
+            from slipstream.structured.tool_parsers import PARSERS
+            if self.tool_parser not in PARSERS:
+                raise SlipstreamError(f"unknown tool parser {self.tool_parser!r} ({', '.join(PARSERS)})")
         if self.drain_timeout is not None and self.drain_timeout < 0:
             raise SlipstreamError(f"drain-timeout must be >= 0, got {self.drain_timeout}")
 

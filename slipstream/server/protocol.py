@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from slipstream.engine.sampling import MAX_LOGPROBS
+from slipstream.structured.constraint import Constraint, ConstraintError
+from slipstream.structured.tool_schema import Tool, check_unique, tool_from_openai
 
 MAX_N = 128                     # as OpenAI
 MAX_COMPLETION_LOGPROBS = 5     # the legacy completions API's limit
@@ -32,6 +34,9 @@ ERROR_CODES = {
     "request_too_large": 413, "unsupported_media_type": 415, "internal_error": 500,
     "queue_full": 503, "server_busy": 503, "server_shutting_down": 503, "too_many_connections": 503,
     "engine_unavailable": 503,
+    # structured output and tools
+    "invalid_json_schema": 400, "invalid_grammar": 400, "invalid_tool": 400, "invalid_tool_choice": 400,
+    "previous_response_not_supported": 400,
 }
 
 
@@ -81,35 +86,73 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """A tool call in an assistant message of the history (as a response gave it)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    # tool / function messages are not supported (no tool calling): rejected as a bad role
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None          # role "tool": the call this message answers
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None     # an assistant's reasoning, as a response gave it
     # what an assistant message read back from a response carries (so a client can append it to
     # the history as it is); only empty values are accepted
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     annotations: list[Any] | None = None
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
-        if self.content is None:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("a message needs content (a string or a list of text parts)")
-        if self.tool_calls or self.function_call or self.audio:
-            raise ValueError("tool calls and audio in messages are not supported")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.function_call or self.audio:
+            raise ValueError("function_call (deprecated) and audio in messages are not supported")
         return self
 
-    def as_template_message(self) -> dict[str, str]:
-        """The message as a chat template expects it: content joined into one string."""
+    @property
+    def text(self) -> str:
         content = self.content
-        text = content if isinstance(content, str) else "\n".join(p.text for p in content or [])
-        msg = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return content if isinstance(content, str) else "\n".join(p.text for p in content or [])
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content joined into one string, a tool call's
+        arguments as an object (what templates serialize with tojson)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            msg["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _args_object(c.function.arguments)}}
+                for c in self.tool_calls]
         return msg
+
+
+def _args_object(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
 
 
 class StreamOptions(_Strict):
@@ -139,6 +182,15 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    skip_special_tokens: bool | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs (and its older guided_* fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: Constraint | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _common_checks(self) -> _SamplingRequest:
@@ -147,7 +199,43 @@ class _SamplingRequest(_Strict):
                                                 "'stream' is enabled.")
         if self.logit_bias:
             raise _FieldError("logit_bias", "logit_bias is not supported", "unsupported_parameter")
+        self._constraint = self._read_constraint()
         return self
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """What the output must match (not yet compiled for the tokenizer)."""
+        return self._constraint
+
+    def _read_constraint(self) -> Constraint | None:
+        found: list[tuple[str, Constraint]] = []
+        try:
+            if self.response_format is not None:
+                c = _response_format(self.response_format)
+                if c is not None:
+                    found.append(("response_format", c))
+            if self.structured_outputs is not None:
+                found.append(("structured_outputs", _structured_outputs(self.structured_outputs)))
+            if self.guided_json is not None:
+                schema = self.guided_json
+                if isinstance(schema, str):
+                    try:
+                        schema = json.loads(schema)
+                    except ValueError:
+                        raise ConstraintError("guided_json must be a JSON schema", "invalid_json_schema") from None
+                found.append(("guided_json", Constraint.json_schema(schema)))
+            if self.guided_regex is not None:
+                found.append(("guided_regex", Constraint.regex(self.guided_regex)))
+            if self.guided_choice is not None:
+                found.append(("guided_choice", Constraint.choice(self.guided_choice)))
+            if self.guided_grammar is not None:
+                found.append(("guided_grammar", Constraint.grammar(self.guided_grammar)))
+        except ConstraintError as e:
+            param = constraint_param(self)
+            raise _FieldError(param, str(e), e.code) from None
+        if len(found) > 1:
+            raise _FieldError(found[1][0], f"give one output constraint; got {found[0][0]} and {found[1][0]}")
+        return found[0][1] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -180,23 +268,39 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: variables for the chat template (e.g. {"enable_thinking": false}); whether to return reasoning
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    _tools: list[Tool] = PrivateAttr(default_factory=list)
+    _tool_choice: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise _FieldError("tools", "tools (function calling) are not supported", "unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _FieldError("tool_choice", "tool_choice is not supported (no tools)", "unsupported_parameter")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _FieldError("response_format", "only response_format {\"type\": \"text\"} is supported",
-                              "unsupported_parameter")
+        self._tools = _read_tools(self.tools)
+        self._tool_choice = _read_tool_choice(self.tool_choice, self._tools)
+        if self._tool_choice not in (None, "none", "auto") and self.constraint is not None:
+            raise _FieldError("tool_choice", "tool_choice 'required' or a named function already constrains the "
+                              "output; drop response_format / structured_outputs")
+        if self.chat_template_kwargs is not None:
+            for key in ("messages", "tools", "add_generation_prompt", "documents"):
+                if key in self.chat_template_kwargs:
+                    raise _FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {key!r}")
         return self
+
+    @property
+    def tool_list(self) -> list[Tool]:
+        """The function tools, checked (empty when none were given)."""
+        return self._tools
+
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools or tool_choice "none"), "auto", "required", or the name of the forced function."""
+        return None if not self._tools or self._tool_choice == "none" else self._tool_choice
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -257,6 +361,106 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[TokenId]
+
+
+# -- structured output and tools ------------------------------------------------------------------
+
+def constraint_param(req: Any) -> str:
+    """The request field that carries its output constraint."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "response_format"
+
+
+def _response_format(rf: dict[str, Any]) -> Constraint | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ConstraintError("response_format json_schema needs a 'json_schema' object", "invalid_json_schema")
+        name = js.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise ConstraintError("response_format.json_schema needs a 'name' of 1 to 64 characters",
+                                  "invalid_json_schema")
+        schema = js.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise ConstraintError("response_format.json_schema.schema must be a JSON schema object",
+                                  "invalid_json_schema")
+        return Constraint.json_schema(schema)
+    raise ConstraintError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "invalid_value")
+
+
+def _structured_outputs(so: dict[str, Any]) -> Constraint:
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+    known = {"json", "json_object", "regex", "choice", "grammar"}
+    options = {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+    unknown = sorted(set(so) - known - options)
+    if unknown:
+        raise ConstraintError(f"structured_outputs does not take {unknown[0]!r} (json, json_object, regex, choice, "
+                              "grammar)", "invalid_value")
+    given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise ConstraintError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar",
+                              "invalid_value")
+    key, value = given[0], so[given[0]]
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConstraintError("structured_outputs.json must be a JSON schema", "invalid_json_schema") from None
+        return Constraint.json_schema(value)
+    if key == "json_object":
+        return Constraint.json_object()
+    if key == "choice" and isinstance(value, list):
+        return Constraint.choice(value)
+    if key == "choice" or not isinstance(value, str):
+        raise ConstraintError(f"structured_outputs.{key} has the wrong type", "invalid_value")
+    return Constraint.regex(value) if key == "regex" else Constraint.grammar(value)
+
+
+def _read_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    out = []
+    for i, t in enumerate(tools or []):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise _FieldError(where, f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                              "invalid_tool")
+        try:
+            out.append(tool_from_openai(t["function"], where))
+        except ConstraintError as e:
+            raise _FieldError(where, str(e), e.code) from None
+    try:
+        check_unique(out)
+    except ConstraintError as e:
+        raise _FieldError("tools", str(e), e.code) from None
+    return out
+
+
+def _read_tool_choice(choice: str | dict[str, Any] | None, tools: list[Tool]) -> str | None:
+    """None/"none"/"auto"/"required", or the forced function's name."""
+    if choice is None:
+        return "auto" if tools else None
+    if isinstance(choice, str):
+        if choice != "none" and not tools:
+            raise _FieldError("tool_choice", f"tool_choice {choice!r} needs tools", "invalid_tool_choice")
+        return choice
+    fn = choice.get("function") if choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else choice.get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise _FieldError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                          '{"type": "function", "function": {"name": ...}}', "invalid_tool_choice")
+    if name not in {t.name for t in tools}:
+        raise _FieldError("tool_choice", f"tool_choice names the function {name[:80]!r}, which is not in tools",
+                          "invalid_tool_choice")
+    return name
 
 
 # -- parsing ------------------------------------------------------------------------------------

@@ -22,11 +22,18 @@ from slipstream.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
+    constraint_param,
     error_body,
     parse_request,
 )
 from slipstream.server.state import AppState
 from slipstream.server.streaming import ClientGone, EventStreamResponse, Shape, collect, json_bytes, usage
+from slipstream.structured.chat_output import OutputConfig
+from slipstream.structured.constraint import Constraint
+from slipstream.structured.reasoning import starts_in_reasoning
+from slipstream.structured.tool_parsers import make_parser
+from slipstream.structured.tool_prompt import template_messages
+from slipstream.structured.tool_schema import named_constraint, required_constraint
 
 Route = Callable[[AppState, Request], Awaitable[Response]]
 
@@ -57,18 +64,63 @@ class Prepared:
     req: Any
     items: list[tuple[list[int], SamplingParams]]
     n_prompt: int
+    output: OutputConfig | None = None    # chat: how each choice's text becomes content / reasoning / tool calls
+
+
+def _render_chat(S: AppState, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 kwargs: dict[str, Any]) -> str:
+    import jinja2
+
+    if tools is None and not kwargs:
+        return _render_template(S, msgs)
+    try:
+        return S.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **kwargs)
+    except jinja2.TemplateError as e:
+        raise bad_request(f"could not render the chat template: {str(e)[:500]}", "messages") from None
 
 
 def prepare_chat(S: AppState, raw: bytes) -> Prepared:
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw, S.config.max_json_depth)
+    return prepare_chat_request(S, parse_request(ChatCompletionRequest, raw, S.config.max_json_depth))
+
+
+def prepare_chat_request(S: AppState, req: ChatCompletionRequest) -> Prepared:
+    """The CPU work of a chat request (also the Responses API's, which translates into one)."""
     S.check_model(req.model)
     S.check_stops(req.stop)
     S.check_choices(req.n, 1, "n")
+    mode = req.tool_mode
+    tools = req.tool_list if mode is not None else []
     msgs = [m.as_template_message() for m in req.messages]
     S.check_chars(sum(len(m["content"]) for m in msgs), "conversation", "messages")
-    ids = S.tokenizer.encode(_render_template(S, msgs), add_special_tokens=False)
+    msgs, template_tools = template_messages(msgs, tools, S.template_renders_tools)
+    prompt = _render_chat(S, msgs, template_tools, dict(req.chat_template_kwargs or {}))
+    ids = S.tokenizer.encode(prompt, add_special_tokens=False)
     max_tokens = S.max_tokens_for(len(ids), req.requested_max_tokens, "messages", "messages")
-    return Prepared(req, [(ids, p) for p in S.sampling(req, max_tokens, req.num_logprobs, req.n)], len(ids))
+
+    constraint: Constraint | None = req.constraint
+    param = constraint_param(req)
+    output = OutputConfig(reasoning=S.reasoning, in_reasoning=S.reasoning and starts_in_reasoning(prompt),
+                          include_reasoning=req.include_reasoning)
+    if mode == "auto":
+        output.tool_mode, output.parser = "auto", make_parser(S.tool_parser, [t.as_openai() for t in tools])
+    elif mode == "required":
+        output.tool_mode, param = "required", "tool_choice"
+        constraint = required_constraint(tools, req.parallel_tool_calls is not False)
+    elif mode is not None:
+        output.tool_mode, output.function, param = "named", mode, "tool_choice"
+        constraint = named_constraint(next(t for t in tools if t.name == mode))
+    extra: dict[str, Any] = {}
+    if constraint is not None:
+        S.check_constraint(constraint, param)
+        extra["constraint"] = constraint
+    # a parser that reads special tokens ([TOOL_CALLS] is one) needs them in the text
+    skip = req.skip_special_tokens
+    if skip is None and output.parser is not None and output.parser.name == "mistral":
+        skip = False
+    if skip is not None:
+        extra["skip_special_tokens"] = skip
+    params = S.sampling(req, max_tokens, req.num_logprobs, req.n, extra)
+    return Prepared(req, [(ids, p) for p in params], len(ids), output)
 
 
 def prepare_completion(S: AppState, raw: bytes) -> Prepared:
@@ -77,6 +129,12 @@ def prepare_completion(S: AppState, raw: bytes) -> Prepared:
     S.check_stops(req.stop)
     prompts = req.prompts()
     S.check_choices(req.n, len(prompts), "n" if len(prompts) == 1 else "prompt")
+    extra: dict[str, Any] = {}
+    if req.constraint is not None:
+        S.check_constraint(req.constraint, constraint_param(req))
+        extra["constraint"] = req.constraint
+    if req.skip_special_tokens is not None:
+        extra["skip_special_tokens"] = req.skip_special_tokens
     items: list[tuple[list[int], SamplingParams]] = []
     n_prompt = 0
     for k, p in enumerate(prompts):
@@ -87,7 +145,7 @@ def prepare_completion(S: AppState, raw: bytes) -> Prepared:
         else:
             ids = list(p)
         max_tokens = S.max_tokens_for(len(ids), req.max_tokens, "prompt", param)
-        items += [(ids, sp) for sp in S.sampling(req, max_tokens, req.logprobs, req.n)]
+        items += [(ids, sp) for sp in S.sampling(req, max_tokens, req.logprobs, req.n, extra)]
         n_prompt += len(ids)
     return Prepared(req, items, n_prompt)
 
@@ -123,15 +181,24 @@ def prepare_detokenize(S: AppState, raw: bytes) -> dict[str, Any]:
 
 def _chat_shape(S: AppState, prep: Prepared, head: dict[str, Any]) -> Shape:
     req: ChatCompletionRequest = prep.req
+    cfg = prep.output or OutputConfig()
+    outputs = [cfg.new() for _ in range(req.n)]
 
     def render(ev: StreamEvent) -> list[dict[str, Any]]:
         lp = {"content": S.chat_logprobs(ev.logprobs), "refusal": None} if req.logprobs and ev.token_ids else None
+        o = outputs[ev.index]
+        deltas = o.feed(ev.text)
+        if ev.finished:
+            deltas += o.finish()
+        if not deltas and lp is not None and not ev.finished:
+            deltas = [{"content": ""}]
         out = []
-        if ev.text or (lp is not None and not ev.finished):
-            out.append({"index": ev.index, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None})
+        for d in deltas:
+            out.append({"index": ev.index, "delta": d, "logprobs": lp, "finish_reason": None})
             lp = None
         if ev.finished:
-            out.append({"index": ev.index, "delta": {}, "logprobs": lp, "finish_reason": ev.finish_reason})
+            out.append({"index": ev.index, "delta": {}, "logprobs": lp,
+                        "finish_reason": o.finish_reason(ev.finish_reason)})
         return out
 
     opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -170,11 +237,24 @@ async def _generate(S: AppState, request: Request, prepare: Callable[[AppState, 
                               usage=usage(prep.n_prompt, sum(len(c.token_ids) for c in choices))))
 
 
+def chat_outputs(prep: Prepared, choices: list) -> list[Any]:
+    """Each choice's text read as the chat API returns it (content, reasoning, tool calls)."""
+    cfg = prep.output or OutputConfig()
+    outs = []
+    for c in choices:
+        o = cfg.new()
+        o.feed("".join(c.text))
+        o.finish()
+        outs.append(o)
+    return outs
+
+
 def _chat_choices(S: AppState, prep: Prepared, choices: list) -> list[dict[str, Any]]:
     req = prep.req
-    return [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+    return [{"index": i, "message": o.message(),
              "logprobs": {"content": S.chat_logprobs(c.logprobs), "refusal": None} if req.logprobs else None,
-             "finish_reason": c.finish_reason} for i, c in enumerate(choices)]
+             "finish_reason": o.finish_reason(c.finish_reason)}
+            for i, (c, o) in enumerate(zip(choices, chat_outputs(prep, choices)))]
 
 
 def _completion_choices(S: AppState, prep: Prepared, choices: list) -> list[dict[str, Any]]:

@@ -15,6 +15,9 @@ from slipstream.server.async_engine import AsyncEngine, EngineDrainingError, Eng
 from slipstream.server.config import ServerConfig
 from slipstream.server.metrics import ServerMetrics
 from slipstream.server.protocol import APIError, bad_request, unavailable
+from slipstream.structured.constraint import Constraint, ConstraintError
+from slipstream.structured.reasoning import uses_reasoning
+from slipstream.structured.tool_parsers import parser_for_template, template_has_tools
 
 log = logging.getLogger("slipstream.server")
 T = TypeVar("T")
@@ -108,6 +111,12 @@ class AppState:
         self.pool = WorkerPool(config.workers, config.max_queued_jobs, config.retry_after_s)
         self.token_text = TokenText(self.tokenizer)
         self.draining = False
+        # tools and reasoning: read from the chat template unless the config names them
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = config.tool_parser or parser_for_template(template) or "hermes"
+        self.template_renders_tools = template_has_tools(template)
+        self.reasoning = config.reasoning_parser == "think" or \
+            (config.reasoning_parser is None and uses_reasoning(template))
 
     # -- checks (run on the worker threads: no event-loop state here) ----------------------------
     def check_model(self, model: str | None) -> None:
@@ -160,9 +169,19 @@ class AppState:
                               param, "context_length_exceeded")
         return requested
 
+    def check_constraint(self, c: Constraint, param: str) -> None:
+        """Compile the constraint for this tokenizer once (a bad schema or grammar is a 400 here)."""
+        from slipstream.structured.grammar import compile_constraint
+
+        try:
+            compile_constraint(self.tokenizer, c)
+        except ConstraintError as e:
+            raise bad_request(str(e), param, e.code) from None
+
     @staticmethod
-    def sampling(req: Any, max_tokens: int, logprobs: int | None, n: int) -> list[SamplingParams]:
-        kw = req.sampling_kwargs()
+    def sampling(req: Any, max_tokens: int, logprobs: int | None, n: int,
+                 extra: dict[str, Any] | None = None) -> list[SamplingParams]:
+        kw = dict(req.sampling_kwargs(), **(extra or {}))
         out = []
         for i in range(n):
             seed = None if req.seed is None else req.seed + i

@@ -80,11 +80,12 @@ def named_constraint(tool: Tool) -> Constraint:
 
 
 def parse_required(text: str) -> list[tuple[str, str]]:
-    """(name, arguments JSON) of each call in a `required` answer; [] if it does not parse."""
+    """(name, arguments JSON) of each call in a `required` answer; an answer cut short (max_tokens)
+    gives its complete calls; [] if nothing parses."""
     try:
         calls = json.loads(text)
     except ValueError:
-        return []
+        calls = _complete_items(text)
     if not isinstance(calls, list):
         return []
     out = []
@@ -92,6 +93,22 @@ def parse_required(text: str) -> list[tuple[str, str]]:
         if isinstance(c, dict) and isinstance(c.get("name"), str):
             out.append((c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)))
     return out
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete values of a JSON array whose end was cut off."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    dec, i, out = json.JSONDecoder(), 1, []
+    while True:
+        while i < len(body) and body[i] in " \t\r\n,":
+            i += 1
+        try:
+            value, i = dec.raw_decode(body, i)
+        except ValueError:
+            return out
+        out.append(value)
 
 
 def describe_tools(tools: list[Tool]) -> str:

@@ -94,7 +94,9 @@ class FakeTokenizer:
     def id_to_token(self, i: int) -> str:
         return f"t{i} "
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    chat_template: str | None = None
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
         text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
         return text + ("\nassistant:" if add_generation_prompt else "")
 
@@ -108,6 +110,42 @@ class FakeLLM:
     def __init__(self, engine: FakeEngine | None = None):
         self.engine = engine or FakeEngine()
         self.tokenizer = FakeTokenizer()
+        self.tokenizer.chat_template = getattr(self.engine, "chat_template", None)
 
     def chat_prompt(self, messages) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+class ScriptedEngine(FakeEngine):
+    """Every request answers `script` (a few characters per step, then "stop"): a model whose output
+    is forced, for testing how the server reads it (tool calls, reasoning)."""
+
+    def __init__(self, script: str, chat_template: str | None = None, chars_per_step: int = 7,
+                 step_s: float = 0.001):
+        super().__init__(step_s=step_s)
+        self.script = script
+        self.chat_template = chat_template   # the FakeLLM's tokenizer gets it (the server reads formats from it)
+        self.chars_per_step = chars_per_step
+
+    def step(self) -> list[StepEvent]:
+        self._touch()
+        self.steps += 1
+        time.sleep(self.step_s)
+        now = time.perf_counter()
+        events = []
+        for rid, r in list(self.requests.items()):
+            if r.metrics.scheduled is None:
+                r.metrics.scheduled = now
+            if r.metrics.first_token is None:
+                r.metrics.first_token = now
+            start = len(r.output_ids) * self.chars_per_step
+            piece = self.script[start:start + self.chars_per_step]
+            r.output_ids.append(len(r.output_ids) + 1)
+            r.metrics.num_output_tokens += 1
+            if start + self.chars_per_step >= len(self.script) or len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "stop" if start + self.chars_per_step >= len(self.script) else "length"
+                r.metrics.finished = now
+                del self.requests[rid]
+            events.append(StepEvent(r, piece, [r.output_ids[-1]], []))
+        return events
+
