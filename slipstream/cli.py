@@ -106,6 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-connections", type=int, default=1024,
                    help="most open connections; past it new ones get 503 and are closed")
 
+    d = s.add_argument_group("replicas on Ray Serve (pip install 'slipstream[distributed]')")
+    d.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas as Ray Serve deployments behind this one endpoint")
+    d.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join the Ray cluster at ADDRESS (e.g. ray://head:10001 or auto); default: start a local one")
+    d.add_argument("--router", default="cache-aware", choices=["cache-aware", "round-robin", "least-loaded"],
+                   help="how requests are spread over the replicas (default cache-aware: the replica holding the "
+                        "prompt's prefix in its KV cache, unless it is much busier than the least loaded one)")
+    d.add_argument("--router-load-threshold", type=int, default=4, metavar="K",
+                   help="cache-aware: go to the least loaded replica when the prefix holder has more than K "
+                        "requests in flight beyond it (default 4)")
+    d.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="Ray CPUs per replica (fractions allowed; default: the machine's CPUs / N, at most 1)")
+    d.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="Ray GPUs per replica (default 0)")
+    d.add_argument("--replica-threads", type=int, default=None, metavar="T",
+                   help="compute threads per replica (SLIPSTREAM_THREADS; default: its CPUs, at least 1)")
+    d.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N processes with torch.distributed (gloo on CPU, NCCL on GPU)")
+
     k = sub.add_parser("compile", help="write an ahead-of-time artifact that serve/generate/chat load directly")
     k.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     k.add_argument("--out", required=True, help="the artifact directory (created)")
@@ -281,6 +300,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.drain_timeout is not None and args.drain_timeout < 0:
         raise SlipstreamError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     server_config = _server_config(args)
+    replica_opts = _replica_options(args)
+    if args.tensor_parallel < 1:
+        raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     try:   # fail before loading the model if the address is taken
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -288,6 +310,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sock.bind((args.host, args.port))
     except OSError as e:
         raise SlipstreamError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    allowed = tuple(h.strip() for a in args.allowed_hosts or [] for h in a.split(",") if h.strip())
+    if replica_opts is not None:
+        from slipstream.distributed.ray_serve import run_replicas
+
+        if args.tensor_parallel > 1:
+            raise SlipstreamError("--tensor-parallel with --replicas is not supported yet: choose one")
+        print(f"starting {replica_opts.replicas} replica(s) of {args.model or 'smollm2-135m'} on Ray Serve; "
+              f"{_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
+        run_replicas(args.model, config, server_config, replica_opts, host=args.host, port=args.port,
+                     log_level=args.log_level, access_log=not args.no_access_log, allowed_hosts=allowed,
+                     say=lambda msg: print(msg, file=sys.stderr, flush=True))
+        return 0
     try:
         from slipstream.server.app import run_server
     except ImportError as e:
@@ -306,9 +340,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
           f"; {_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
     run_server(llm, server_config, host=args.host, port=args.port, log_level=args.log_level,
-               access_log=not args.no_access_log,
-               allowed_hosts=tuple(h.strip() for a in args.allowed_hosts or [] for h in a.split(",") if h.strip()))
+               access_log=not args.no_access_log, allowed_hosts=allowed)
     return 0
+
+
+def _replica_options(args: argparse.Namespace):
+    """The Ray Serve replica settings when --replicas (or --ray-address) is given, else None; Ray's
+    presence is checked here, before anything loads."""
+    if args.replicas is None and args.ray_address is None:
+        return None
+    from slipstream.distributed.ray_serve import ReplicaOptions, require_ray
+
+    opts = ReplicaOptions(replicas=args.replicas or 1, ray_address=args.ray_address,
+                          replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                          threads=args.replica_threads, router=args.router,
+                          load_threshold=args.router_load_threshold)
+    require_ray()
+    return opts
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

@@ -1,0 +1,17 @@
+"""Serving beyond one engine: replicas on Ray Serve behind one endpoint, and tensor/expert
+parallelism over torch.distributed.
+
+    router.py           which replica a request goes to (cache-aware, round-robin, least-loaded)
+    prompt_key.py       a request body -> the chained KV-block hashes of its prompt (as the engine's
+                        prefix cache computes them)
+    asgi_call.py        one HTTP request through an ASGI app in process, its response as parts
+    replica.py          the Ray Serve deployment: one engine and the single server's app
+    ingress.py          the one endpoint: guard, routing, proxying, retries, /health, /metrics
+    metrics.py          replicas' Prometheus texts -> one text (per-replica labels plus totals)
+    ray_serve.py        `slipstream serve --replicas N`: the Ray cluster, the deployments, the ingress
+    tensor_parallel.py  `--tensor-parallel N`: sharded weights and a sharded forward per rank
+    tp_worker.py        ranks > 0 following rank 0's step descriptions
+
+Nothing here is imported by `slipstream`, the engine or the server: Ray is needed only to serve
+replicas (`pip install slipstream[distributed]`).
+"""
