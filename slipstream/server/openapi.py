@@ -14,6 +14,7 @@ from slipstream.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from slipstream.server.responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -37,8 +38,12 @@ CHAT_RESPONSE = {
             "type": "object", "required": ["index", "message", "finish_reason"],
             "properties": {"index": {"type": "integer"},
                            "message": {"type": "object", "required": ["role", "content"],
-                                       "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
-                           "finish_reason": {"enum": ["stop", "length", "abort"]},
+                                       "properties": {"role": {"const": "assistant"},
+                                                      "content": {"type": ["string", "null"]},
+                                                      "reasoning_content": {"type": "string"},
+                                                      "tool_calls": {"type": "array", "items": {
+                                                          "$ref": "#/components/schemas/ToolCallOut"}}}},
+                           "finish_reason": {"enum": ["stop", "length", "abort", "tool_calls"]},
                            "logprobs": {"type": ["object", "null"]}}}}},
 }
 COMPLETION_RESPONSE = {
@@ -51,6 +56,20 @@ COMPLETION_RESPONSE = {
             "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
                            "finish_reason": {"enum": ["stop", "length", "abort"]},
                            "logprobs": {"type": ["object", "null"]}}}}},
+}
+TOOL_CALL_OUT = {"type": "object", "required": ["id", "type", "function"],
+                 "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name", "arguments"],
+                                             "properties": {"name": {"type": "string"},
+                                                            "arguments": {"type": "string"}}}}}
+RESPONSE = {
+    "type": "object", "required": ["id", "object", "created_at", "model", "status", "output", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"}, "created_at": {"type": "integer"},
+        "model": {"type": "string"}, "status": {"enum": ["completed", "incomplete"]},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type", "id"], "properties": {
+            "type": {"enum": ["message", "function_call", "reasoning"]}, "id": {"type": "string"}}}},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"]}},
 }
 MODEL = {"type": "object", "required": ["id", "object", "max_model_len"],
          "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
@@ -86,8 +105,8 @@ def _get(op_id: str, ok: dict[str, Any], summary: str, params: list | None = Non
 
 
 def openapi_document(title: str, version: str, api_key: bool) -> dict[str, Any]:
-    schemas: dict[str, Any] = {"Error": ERROR_SCHEMA, "Usage": USAGE, "Model": MODEL}
-    for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+    schemas: dict[str, Any] = {"Error": ERROR_SCHEMA, "Usage": USAGE, "Model": MODEL, "ToolCallOut": TOOL_CALL_OUT}
+    for m in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest):
         s = m.model_json_schema(ref_template=REF)
         schemas.update(s.pop("$defs", {}))
         schemas[m.__name__] = s
@@ -96,6 +115,8 @@ def openapi_document(title: str, version: str, api_key: bool) -> dict[str, Any]:
                                       "Chat completion (streamed as server-sent events with stream: true)", True),
         "/v1/completions": _post(CompletionRequest, "createCompletion", _json(COMPLETION_RESPONSE),
                                  "Text completion (streamed as server-sent events with stream: true)", True),
+        "/v1/responses": _post(ResponsesRequest, "createResponse", _json(RESPONSE),
+                               "Responses API (streamed as typed server-sent events with stream: true)", True),
         "/tokenize": _post(TokenizeRequest, "tokenize", _json({
             "type": "object", "required": ["tokens", "count", "max_model_len"],
             "properties": {"tokens": {"type": "array", "items": {"type": "integer"}}, "count": {"type": "integer"},

@@ -26,6 +26,7 @@ from slipstream.server.protocol import (
     error_body,
     parse_request,
 )
+from slipstream.server.responses import create_response
 from slipstream.server.state import AppState
 from slipstream.server.streaming import ClientGone, EventStreamResponse, Shape, collect, json_bytes, usage
 from slipstream.structured.chat_output import OutputConfig
@@ -42,7 +43,7 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(json_bytes(obj), status_code=status, media_type="application/json", headers=headers)
 
 
-def _request_id(request: Request) -> str:
+def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id") or f"req-{uuid.uuid4().hex[:24]}"
 
 
@@ -228,7 +229,7 @@ async def _generate(S: AppState, request: Request, prepare: Callable[[AppState, 
     stream = await S.submit(prep.items, prep.req.priority, param)
     head = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": S.model_id}
     if prep.req.stream:
-        return EventStreamResponse(shape_of(S, prep, head), stream, _request_id(request))
+        return EventStreamResponse(shape_of(S, prep, head), stream, request_id_of(request))
     try:
         choices = await collect(request, stream, len(prep.items), S.config.retry_after_s)
     except ClientGone:
@@ -329,4 +330,5 @@ ROUTES: list[tuple[str, str, Route]] = [
     ("POST", "/detokenize", detokenize),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/responses", create_response),
 ]

@@ -86,11 +86,12 @@ async def event_stream(shape: Shape, stream: RequestStream, request_id: str) -> 
     yield SSE_DONE
 
 
-class EventStreamResponse(StreamingResponse):
-    """An SSE response that aborts its requests however it ends (done, client gone, cancelled)."""
+class SSEResponse(StreamingResponse):
+    """A server-sent-events response over `body` that aborts `stream`'s requests however it ends
+    (done, client gone, cancelled)."""
 
-    def __init__(self, shape: Shape, stream: RequestStream, request_id: str):
-        self._body = event_stream(shape, stream, request_id)
+    def __init__(self, body: AsyncIterator[bytes], stream: RequestStream):
+        self._body = body
         super().__init__(self._body, media_type="text/event-stream", headers=SSE_HEADERS)
         self._stream = stream
 
@@ -103,6 +104,13 @@ class EventStreamResponse(StreamingResponse):
                 await self._body.aclose()  # type: ignore[attr-defined]
             except Exception:
                 pass
+
+
+class EventStreamResponse(SSEResponse):
+    """The chat / completions stream of a `Shape`."""
+
+    def __init__(self, shape: Shape, stream: RequestStream, request_id: str):
+        super().__init__(event_stream(shape, stream, request_id), stream)
 
 
 # -- not streamed -------------------------------------------------------------------------------
