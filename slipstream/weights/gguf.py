@@ -10,7 +10,7 @@ import torch
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
 from slipstream.weights.layers import LlamaLayer
-from slipstream.weights.quant import Q4_F32, Linear
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear
 
 try:
     import gguf
@@ -19,9 +19,11 @@ except ImportError as e:  # pragma: no cover - gguf is a hard dependency of the 
     raise ImportError("reading GGUF files needs the `gguf` package") from e
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# re-blocked once at load into the native kernels' 4- and 8-bit layouts
 PACKED_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K}
-# formats we read by dequantizing to float32 at load (correct, but not packed in memory)
-DENSE_TYPES = {QT.F32, QT.F16, QT.BF16, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K}
+# kept as the file's own blocks, read in place from the memory map
+RAW_QTYPES = {QT(t) for t in RAW_TYPES} - PACKED_TYPES
+SUPPORTED_TYPES = PACKED_TYPES | RAW_QTYPES | {QT.F32}
 
 
 def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
@@ -125,6 +127,8 @@ def _linear_from_tensor(t: Any) -> Linear:
         return Linear.from_blocks(int(qt), raw.reshape(n, -1), n, k)
     if qt == QT.Q4_K:
         return _q4k_linear(raw, n, k)
+    if qt in RAW_QTYPES:
+        return Linear.from_raw(int(qt), raw, n, k)
     return Linear.dense(torch.from_numpy(_dense(t).reshape(n, k)))
 
 
@@ -152,9 +156,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
     tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         qt = QT(t.tensor_type)
-        if qt not in PACKED_TYPES and qt not in DENSE_TYPES:
+        if qt not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quant type {qt.name} "
-                                 f"(supported: {', '.join(sorted(x.name for x in PACKED_TYPES | DENSE_TYPES))})")
+                                 f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
 
     def vec(name: str) -> torch.Tensor:
         return torch.from_numpy(_dense(tensors[name]).reshape(-1).copy())

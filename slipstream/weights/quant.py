@@ -1,30 +1,42 @@
 """Weight matrices, packed or dense, and their products with activations.
 
-A `Linear` holds an [N, K] weight either as a dense float32 tensor or packed, from one of ggml's
-block formats (groups of 32 weights sharing a scale): Q4_0, Q4_1, Q8_0, or Q4_F32, our name for
-Q4_K re-blocked into groups of 32 with float32 scale and min. Packed weights are stored in the
-native kernels' compute layout (`kernels/cpu/quant_matvec.c`):
-  4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` float32 [N, K/32]; w = scale * q + min
-  8-bit: `data` int8 [N, K], `scale` float32 [N, K/32];                      w = scale * q
-Every format maps onto these without changing a weight: `dequantize()` equals GGUF's reference
-dequantization bit for bit, and the kernels multiply the packed codes with fp32 activations.
+A `Linear` holds an [N, K] weight in one of three ways:
+- dense: a float32 tensor;
+- re-blocked into the native kernels' own layouts (`kernels/cpu/simd.h`), from Q4_0, Q4_1, Q4_K
+  (as Q4_F32, our name for Q4_K in groups of 32 with float32 scale and min) and Q8_0:
+    4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` float32 [N, K/32]; w = scale * q + min
+    8-bit: `data` int8 [N, K], `scale` float32 [N, K/32];                      w = scale * q
+- raw: every other ggml type (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, F16, BF16) as the file's own
+  blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h` decodes
+  them block by block inside the products).
+A fused product whose parts are stored in different ways (a Q4_K_M file's Q4_K Q/K with a Q6_K V)
+keeps its `parts`, stacked by output rows. Whatever the storage, `dequantize()` equals GGUF's
+reference dequantization bit for bit.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
+
+import ctypes
 
 import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
-from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, SSMat
+from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, KIND_QT, SSMat
 
 Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100       # ggml's type ids; Q4_F32 is ours
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_F32: 24}
 FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_K"}
+# ggml types kept as the file's blocks: id -> (name, weights per block, bytes per block)
+RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84),
+             11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+             20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
+MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
 # kernels re-expand every weight group per 8 rows, a dense GEMM tiles far better.
 DENSE_FROM_ROWS = 32
@@ -58,15 +70,46 @@ class Linear:
     scale: torch.Tensor | None = None   # float32 [N, K/32]
     min: torch.Tensor | None = None     # float32 [N, K/32] (4-bit formats)
     bias: torch.Tensor | None = None
+    parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
 
     @property
     def packed(self) -> bool:
         return self.fmt is not None
 
     @property
+    def raw(self) -> bool:
+        """Stored as the GGUF file's own blocks."""
+        return self.fmt in RAW_TYPES
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias)
-                   if t is not None)
+        own = sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias)
+                  if t is not None)
+        return own + sum(p.nbytes for p in self.parts or ())
+
+    @property
+    def format_name(self) -> str:
+        if self.fmt is None:
+            return "F32"
+        if self.parts:
+            return "+".join(p.format_name for p in self.parts)
+        return RAW_TYPES[self.fmt][0] if self.raw else FORMAT_NAMES[self.fmt]
+
+    @staticmethod
+    def from_raw(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear":
+        """ggml blocks of a type in RAW_TYPES, used in place (no copy of a memory-mapped file)."""
+        name, qk, bb = RAW_TYPES[fmt]
+        if k % qk:
+            raise ValueError(f"{name} weights need K divisible by {qk}, got {k}")
+        if isinstance(blocks, np.ndarray):
+            arr = blocks.view(np.uint8).reshape(n, -1)
+            with warnings.catch_warnings():   # a read-only map: the kernels never write weights
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(arr)
+        raw = blocks.view(torch.uint8).reshape(n, -1)
+        if raw.shape[1] != k // qk * bb:
+            raise ValueError(f"a {name} row of {k} weights needs {k // qk * bb} bytes, got {raw.shape[1]}")
+        return Linear(n, k, raw, fmt)
 
     @staticmethod
     def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
@@ -97,12 +140,19 @@ class Linear:
         return Linear(n, k, qs, fmt, d.contiguous(), m.contiguous())
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Linear":
-        """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs)."""
+        """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs).
+        The GPU kernels read the 4- and 8-bit layouts only: other formats go there dense."""
+        if (self.raw or self.parts) and torch.device(device).type != "cpu":
+            return Linear.dense(self.dequantize(), self.bias).to(device, dtype)
+        if self.parts:
+            return self
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         data = self.data.to(device=device, dtype=dtype) if self.fmt is None and dtype else self.data.to(device)
         return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.min), mv(self.bias))
 
     def select_rows(self, rows: torch.Tensor) -> "Linear":
+        if self.parts:
+            return Linear.dense(self.dequantize(rows), None if self.bias is None else self.bias[rows])
         pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
         return Linear(int(rows.numel()), self.k, pick(self.data), self.fmt, pick(self.scale),
                       pick(self.min), pick(self.bias))
@@ -112,7 +162,12 @@ class Linear:
         """float32 [N, K] (or the given rows), equal to GGUF's dequantization bit for bit."""
         if self.fmt is None:
             return self.data if rows is None else self.data[rows]
+        if self.parts:
+            full = torch.cat([p.dequantize() for p in self.parts])
+            return full if rows is None else full[rows]
         w = self if rows is None else self.select_rows(rows)
+        if self.raw:
+            return _raw_dequantize(w)
         groups = w.k // 32
         if self.fmt == Q8_0:
             q = w.data.view(w.n, groups, 32).to(torch.float32)
@@ -134,6 +189,8 @@ class Linear:
 
     def widen(self, lib) -> torch.Tensor:
         """The dense float32 weight, by the native kernel (same values as `dequantize`, faster)."""
+        if self.raw or self.parts:
+            return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
         if self.fmt == Q8_0:
             lib.q8_dequant(self.data.data_ptr(), self.scale.data_ptr(), self.n, self.k, w.data_ptr())
@@ -144,6 +201,9 @@ class Linear:
 
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
+        if self.raw or self.parts:   # through the step's row kernels (exact: fp32 activations)
+            lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
+            return
         if self.fmt == Q8_0:
             lib.q8_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(), self.n,
                           out_ptr, int(accumulate))
@@ -151,16 +211,35 @@ class Linear:
             lib.q4_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(),
                           self.min.data_ptr(), self.n, out_ptr, int(accumulate), scratch_ptr)
 
-    def ss_mat(self) -> SSMat:
+    def ss_mat(self, with_bias: bool = True) -> SSMat:
         """The native step's view of this matrix (raw pointers: keep this Linear alive while it is used)."""
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        if self.parts:
+            # a chain of the parts' matrices; the bias is sliced onto them; the structures are kept
+            # on this Linear so that the pointers between them stay valid
+            bias = self.bias if with_bias else None
+            mats, r = [], 0
+            for p in self.parts:
+                m = p.ss_mat(with_bias=False)
+                if bias is not None:
+                    m.bias = bias[r:r + p.n].data_ptr()
+                mats.append(m)
+                r += p.n
+            for a, b in zip(mats, mats[1:]):
+                a.next = ctypes.pointer(b)
+            self._chain = mats
+            return mats[0]
+        if self.raw:
+            return SSMat(self.data.data_ptr(), None, None, ptr(self.bias) if with_bias else None, KIND_QT,
+                         self.n, self.k, self.fmt)
         if not self.packed:
             if self.data.dtype != torch.float32 or not self.data.is_contiguous():
                 raise ValueError("dense weights must be contiguous float32 for the native kernels")
-            return SSMat(self.data.data_ptr(), None, None, ptr(self.bias), KIND_F32, self.n, self.k, 0)
+            return SSMat(self.data.data_ptr(), None, None, ptr(self.bias) if with_bias else None, KIND_F32,
+                         self.n, self.k, 0)
         kind = KIND_Q8 if self.fmt == Q8_0 else KIND_Q4
-        return SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min), ptr(self.bias), kind,
-                     self.n, self.k, 0)
+        return SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
+                     ptr(self.bias) if with_bias else None, kind, self.n, self.k, 0)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
@@ -188,23 +267,56 @@ class Linear:
         if out is None:
             out = torch.empty(rows, self.n, dtype=torch.float32)
             accumulate = False
-        scratch = torch.empty(rows * (self.k // 32), dtype=torch.float32)
+        scratch = torch.empty(rows * max(1, self.k // 32), dtype=torch.float32)
         self.native(lib, x.data_ptr(), rows, out.data_ptr(), accumulate, scratch.data_ptr())
         if self.bias is not None:
             out.add_(self.bias)
         return out
 
 
+def _layout(p: Linear) -> object:
+    """Parts with the same layout concatenate into one matrix."""
+    if p.raw:
+        return ("raw", p.fmt)
+    return "q8" if p.fmt == Q8_0 else "q4" if p.packed else "f32"
+
+
 def concat_rows(parts: list[Linear]) -> Linear:
-    """Stack weights over output rows (fused QKV, gate+up): one kernel call instead of several."""
-    kinds = {(p.fmt == Q8_0 if p.packed else None, p.k) for p in parts}
-    if len(kinds) != 1:
-        parts = [Linear.dense(p.dequantize(), p.bias) for p in parts]
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
+    """Stack weights over output rows (fused QKV, gate+up): one kernel call instead of several.
+    Parts stored in different ways stay as they are, as the `parts` of a MIXED Linear."""
+    if len({p.k for p in parts}) != 1:
+        raise ValueError("stacked weights need the same input size")
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts])
+    if len({_layout(p) for p in parts}) != 1 or any(p.parts for p in parts):
+        flat = [Linear(q.n, q.k, q.data, q.fmt, q.scale, q.min) for p in parts for q in (p.parts or (p,))]
+        runs: list[list[Linear]] = []
+        for q in flat:   # neighbours stored the same way become one part
+            if runs and _layout(runs[-1][0]) == _layout(q):
+                runs[-1].append(q)
+            else:
+                runs.append([q])
+        bare = tuple(concat_rows(r) if len(r) > 1 else r[0] for r in runs)
+        return Linear(sum(p.n for p in parts), parts[0].k, torch.empty(0, dtype=torch.uint8), MIXED,
+                      bias=bias, parts=bare)
+    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
     fmts = {p.fmt for p in parts}
     fmt = parts[0].fmt if len(fmts) == 1 else Q4_F32   # mixed 4-bit sources share one layout
     return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
                   cat([p.scale for p in parts]), cat([p.min for p in parts]), bias)
+
+
+def _raw_dequantize(w: Linear) -> torch.Tensor:
+    """float32 [N, K] of a raw-block Linear: the native decoder, or gguf-py's without a compiler."""
+    lib = load_library()
+    if w.fmt in (1, 30):   # F16, BF16: widening is exact in torch
+        return w.data.contiguous().view(torch.float16 if w.fmt == 1 else torch.bfloat16).to(torch.float32).reshape(w.n, w.k)
+    data = w.data.contiguous()
+    if lib is None:
+        import gguf
+        arr = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(w.fmt))
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(w.n, w.k)
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    lib.ss_qt_dequant(w.fmt, data.data_ptr(), 0, w.n, w.k, out.data_ptr())
+    return out

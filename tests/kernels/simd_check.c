@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "../../slipstream/kernels/cpu/simd.h"
+#include "../../slipstream/kernels/cpu/qtypes.h"
 
 static unsigned rng = 12345;
 static float frand(void) { rng = rng * 1103515245u + 12345u; return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f; }
@@ -14,6 +14,57 @@ static int close_to(double got, double want, double tol, const char *what, int i
     if (fabs(got - want) <= tol * (1.0 + fabs(want))) return 1;
     printf("mismatch %s[%d]: got %.9g want %.9g\n", what, i, got, want);
     return 0;
+}
+
+// qtypes.h: every block type's products (fast and exact) against double loops over its decoding
+static int check_qtypes(void) {
+    static const int types[] = {QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_Q8_0, QT_Q2_K, QT_Q3_K, QT_Q4_K,
+                                QT_Q5_K, QT_Q6_K, QT_IQ4_NL, QT_IQ4_XS, QT_F16, QT_BF16};
+    // byte offsets of the fp16 scale fields per type (first: d, may be negative; second: a min scale)
+    static const uint16_t halves[] = {0x2E66, 0x2A66, 0xAE66, 0x3266};
+    enum { K = 512, R = 3 };
+    static uint8_t w[K * 4];
+    static float x[R][K], xd[R][K / 32], xs[R][K / 32], wf[K], out[MAX_ROWS];
+    static int8_t xq[R][K];
+    int ok = 1;
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < K; i++) x[r][i] = frand() * 2.0f;
+        ss_quantize_row(x[r], K, xq[r], xd[r], xs[r]);
+    }
+    for (unsigned ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        const int t = types[ti], QK = qt_block(t), BB = qt_bytes(t), nblk = K / QK;
+        int f0 = -1, f1 = -1;
+        switch (t) {
+        case QT_Q4_0: case QT_Q5_0: case QT_Q8_0: case QT_IQ4_NL: case QT_IQ4_XS: f0 = 0; break;
+        case QT_Q4_1: case QT_Q5_1: case QT_Q4_K: case QT_Q5_K: f0 = 0, f1 = 2; break;
+        case QT_Q2_K: f0 = 80, f1 = 82; break;
+        case QT_Q3_K: f0 = 108; break;
+        case QT_Q6_K: f0 = 208; break;
+        }
+        for (int i = 0; i < nblk * BB; i++) w[i] = (uint8_t)irand(0, 255);
+        if (t == QT_F16 || t == QT_BF16)   // sane values: small exponents only
+            for (int i = 0; i < K; i++) w[2 * i + 1] = (uint8_t)((t == QT_F16 ? 0x30 : 0x3D) | (w[2 * i + 1] & 0x83));
+        for (int b = 0; b < nblk && f0 >= 0; b++) {
+            const uint16_t h = halves[irand(0, 3)], hm = halves[irand(0, 1)];
+            memcpy(w + b * BB + f0, &h, 2);
+            if (f1 >= 0) memcpy(w + b * BB + f1, &hm, 2);
+        }
+        qt_dequant_row(t, w, K, wf);
+        double want[R] = {0}, wantq[R] = {0};
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < K; i++) {
+                want[r] += (double)wf[i] * x[r][i];
+                wantq[r] += (double)wf[i] * xq[r][i] * xd[r][i / 32];
+            }
+        double scale = 1e-3;
+        for (int r = 0; r < R; r++) scale = fmax(scale, fabs(want[r]));
+        qt_f_row(t, w, K, x[0], R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, want[r] / scale, 1e-4, "qt_f", t);
+        if (t == QT_F16 || t == QT_BF16) continue;
+        qt_q8_row(t, w, K, xq[0], xd[0], R, out);
+        for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, wantq[r] / scale, 1e-4, "qt_q8", t);
+    }
+    return ok;
 }
 
 int main(void) {
@@ -76,6 +127,7 @@ int main(void) {
     ok &= close_to(ss_dot(x[0], x[2], K), dd, 1e-4, "dot", 0);
     ss_axpy(o, 0.5f, x[2], K);
     for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
+    ok &= check_qtypes();
     printf("%s %s\n", ss_isa_name(), ok ? "ok" : "FAILED");
     return ok ? 0 : 1;
 }

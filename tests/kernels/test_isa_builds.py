@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "slipstream" / "kernels" / "cpu"
 X86 = platform.machine() in ("x86_64", "AMD64")
 FLAGS = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-KERNEL_TESTS = ["tests/kernels/test_cpu_simd.py", "tests/kernels/test_cpu_ops.py", "tests/weights/test_quant.py",
+KERNEL_TESTS = ["tests/kernels/test_cpu_simd.py", "tests/kernels/test_cpu_ops.py", "tests/kernels/test_cpu_qtypes.py", "tests/weights/test_quant.py",
                 "tests/runtime/test_cpu_team.py::test_exact_matches_eager_on_packed_random_models"]
 
 

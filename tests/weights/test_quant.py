@@ -257,9 +257,12 @@ def test_concat_rows():
     assert torch.equal(cat.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     c = random_linear(Q8_0, n=4, seed=3)
     c.bias = torch.arange(4.0)
-    mixed = concat_rows([a, c])  # different formats: falls back to one dense weight
-    assert not mixed.packed and mixed.n == 12
+    mixed = concat_rows([a, c])  # different layouts: each part kept as it is, stacked
+    assert mixed.parts is not None and [p.fmt for p in mixed.parts] == [Q4_1, Q8_0] and mixed.n == 12
     assert torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
+    x = torch.randn(3, a.k, generator=torch.Generator().manual_seed(4))
+    ref = x @ mixed.dequantize().T + mixed.bias
+    assert torch.allclose(mixed(x), ref, atol=1e-4)
     assert torch.equal(mixed.bias, torch.cat([torch.zeros(8), torch.arange(4.0)]))
 
 

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import ctypes
 
-KIND_F32, KIND_Q4, KIND_Q8 = 0, 4, 8
+KIND_F32, KIND_Q4, KIND_Q8, KIND_QT = 0, 4, 8, 16
 _P = ctypes.c_void_p
 _I = ctypes.c_int32
 _F = ctypes.c_float
 
 
 class SSMat(ctypes.Structure):
-    """A weight matrix: codes (or fp32 values), per-group scales and mins, optional bias."""
-    _fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
-                ("pad", _I)]
+    """A weight matrix: codes (or fp32 values, or ggml blocks), per-group scales and mins, optional
+    bias; `qtype` is the ggml type of KIND_QT blocks; `next` continues the matrix's rows in another
+    matrix (a chain of parts of different kinds)."""
+
+
+SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
+                  ("qtype", _I), ("next", ctypes.POINTER(SSMat))]
 
 
 class SSLayer(ctypes.Structure):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
 SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
-HEADERS = ["simd.h", "ops.h"]
+HEADERS = ["simd.h", "ops.h", "qtypes.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
 FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -79,6 +79,8 @@ def load_library() -> ctypes.CDLL | None:
         "ss_matmul": [vp, i32, vp, vp, i32],
         "ss_quantize": [vp, i32, i32, vp, vp, vp],
         "ss_profile": [i32, vp],
+        "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
+        "ss_qt_dequant": [i32, vp, i32, i32, i32, vp],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)

@@ -25,16 +25,20 @@
 #include <alloca.h>
 
 #include "ops.h"
+#include "qtypes.h"
 
 // -- what Python passes (mirrored by ctypes structures in runtime/cpu_team.py) ---------------------
-enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8 };
+enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8, KIND_QT = 16 };
 
-typedef struct {
-    const void *q;          // codes (or fp32 values for KIND_F32)
-    const float *scale;     // [N][K/32]
+// A weight matrix. Matrices of different kinds stacked by rows (a fused QKV whose V is stored in
+// another type) are a chain: rows past `n` belong to `next`.
+typedef struct SSMat {
+    const void *q;          // codes (fp32 values for KIND_F32, ggml blocks row by row for KIND_QT)
+    const float *scale;     // [N][K/32] (q4, q8)
     const float *min;       // [N][K/32] (q4)
     const float *bias;      // [N] or NULL
-    int32_t kind, n, k, pad;
+    int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks
+    const struct SSMat *next;
 } SSMat;
 
 typedef struct {
@@ -96,7 +100,16 @@ enum {
 // y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
 static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, float *y, int ystride,
                      int accumulate, int exact) {
+    while (n0 >= m->n && m->next) {   // a chain: find the part that holds row n0
+        n0 -= m->n, n1 -= m->n, y += m->n;
+        m = m->next;
+    }
+    if (n1 > m->n && m->next) {
+        mat_rows(m->next, 0, n1 - m->n, B, x, y + m->n, ystride, accumulate, exact);
+        n1 = m->n;
+    }
     const int K = m->k, G = K / 32;
+    const int64_t row_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype) : 0;
     for (int n = n0; n < n1; n++) {
         for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
             const int nb = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
@@ -131,6 +144,19 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                     SS_BY_ROWS(nb, Q8Q)
 #undef Q8Q
                 }
+            } else if (m->kind == KIND_QT) {
+                const uint8_t *w = (const uint8_t *)m->q + n * row_bytes;
+                if (exact || m->qtype == QT_F16 || m->qtype == QT_BF16) {
+#define QTF(NB) qt_f_row(m->qtype, w, K, xf, NB, out)
+                    SS_BY_ROWS(nb, QTF)
+#undef QTF
+                } else {
+                    const int8_t *xq = x->q + (int64_t)b0 * K;
+                    const float *xd = x->d + (int64_t)b0 * G;
+#define QTQ(NB) qt_q8_row(m->qtype, w, K, xq, xd, NB, out)
+                    SS_BY_ROWS(nb, QTQ)
+#undef QTQ
+                }
             } else {
                 f32_row((const float *)m->q + (int64_t)n * K, K, xf, nb, out);
             }
@@ -159,6 +185,9 @@ static void embed_row(const SSMat *e, int64_t tok, float *out) {
     const int K = e->k, G = K / 32;
     if (e->kind == KIND_F32) {
         memcpy(out, (const float *)e->q + tok * K, sizeof(float) * K);
+    } else if (e->kind == KIND_QT) {
+        const int64_t row_bytes = (int64_t)K / qt_block(e->qtype) * qt_bytes(e->qtype);
+        qt_dequant_row(e->qtype, (const uint8_t *)e->q + tok * row_bytes, K, out);
     } else if (e->kind == KIND_Q8) {
         const int8_t *q = (const int8_t *)e->q + tok * K;
         for (int g = 0; g < G; g++)
@@ -476,10 +505,34 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     SSAct a = {(float *)x, (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * G),
                (float *)malloc(sizeof(float) * B * G)};
     for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
-    mat_rows(m, 0, m->n, B, &a, y, m->n, 0, exact);
+    int N = 0;
+    for (const SSMat *p = m; p; p = p->next) N += p->n;   // a chain's rows, all parts
+    mat_rows(m, 0, N, B, &a, y, N, 0, exact);
     free(a.q);
     free(a.d);
     free(a.s);
+}
+
+// rows [n0, n1) of a KIND_QT matrix decoded: int8 codes q[rows][K], per-16 scales and offsets
+// sc, mn [rows][K/16] (w = sc * q + mn; tests and Python's dequantize compose them)
+void ss_qt_unpack(int qtype, const uint8_t *w, int n0, int n1, int K, int8_t *q, float *sc, float *mn) {
+    const int QK = qt_block(qtype), BB = qt_bytes(qtype);
+    const int64_t row_bytes = (int64_t)K / QK * BB;
+    QTBlock u;
+    for (int n = n0; n < n1; n++)
+        for (int blk = 0; blk < K / QK; blk++) {
+            qt_unpack(qtype, w + n * row_bytes + (int64_t)blk * BB, &u);
+            const int64_t r = n - n0, e0 = r * K + (int64_t)blk * QK, s0 = e0 / 16;
+            memcpy(q + e0, u.q, QK);
+            memcpy(sc + s0, u.sc, sizeof(float) * (QK / 16));
+            memcpy(mn + s0, u.mn, sizeof(float) * (QK / 16));
+        }
+}
+
+// rows [n0, n1) of a KIND_QT matrix as fp32 (the reference dequantization's values)
+void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *out) {
+    const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
+    for (int n = n0; n < n1; n++) qt_dequant_row(qtype, w + n * row_bytes, K, out + (int64_t)(n - n0) * K);
 }
 
 // q[B][K] int8, d and s [B][K/32]: the fast path's activation quantization

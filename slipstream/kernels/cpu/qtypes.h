@@ -1,0 +1,354 @@
+// ggml's block types, read in place from a GGUF file (weights/quant.py, KIND_QT matrices).
+//
+// Each block is decoded on the fly into what every type shares: int8 codes q[QK] and, per
+// sub-block of 16 weights, an fp32 scale and an fp32 offset, so that
+//     w[i] = sc[i / 16] * q[i] + mn[i / 16]          (mn = 0 for types without a minimum)
+// with the same values GGUF's reference dequantization gives (gguf-py's `quants.py`): every scale
+// below is a product of an fp16 value and a small integer, exact in fp32, so sc * q rounds once,
+// as the reference's does. One decoder per type; the products over the decoded block are shared:
+//   fast:  int8 activations per group of 32 (simd.h's ss_quantize_row) x int8 codes, per-16 scales;
+//   exact: fp32 activations.
+// F16 and BF16 rows are widened to fp32 and multiplied with fp32 activations on both paths.
+#pragma once
+#include "simd.h"
+
+enum {
+    QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q2_K = 10,
+    QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23, QT_BF16 = 30,
+};
+
+#define QT_MAX 256   // the largest block (the K-quants' super-block)
+
+typedef struct {
+    int8_t q[QT_MAX];
+    float sc[QT_MAX / 16], mn[QT_MAX / 16];
+} QTBlock;
+
+// weights per block (0: not a block type we read)
+static inline int qt_block(int t) {
+    switch (t) {
+    case QT_F16: case QT_BF16: return 1;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q5_1: case QT_Q8_0: case QT_IQ4_NL: return 32;
+    case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
+    default: return 0;
+    }
+}
+
+static inline int qt_bytes(int t) {
+    switch (t) {
+    case QT_F16: case QT_BF16: return 2;
+    case QT_Q4_0: return 18; case QT_Q4_1: return 20; case QT_Q5_0: return 22; case QT_Q5_1: return 24;
+    case QT_Q8_0: return 34; case QT_IQ4_NL: return 18;
+    case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
+    case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+
+static inline int qt_has_min(int t) {
+    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K;
+}
+
+// IEEE half -> float, exactly (subnormals included), without relying on F16C
+static inline float qt_f16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= s;
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float qt_bf16(const uint8_t *p) {
+    const uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static const int8_t QT_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// the 6-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes -> 8 + 8)
+static inline void qt_k_scales(const uint8_t *s, int sc[8], int mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+// the 16 signed 6-bit scales of a Q3_K super-block
+static inline void qt_q3k_scales(const uint8_t *s, int sc[16]) {
+    for (int i = 0; i < 16; i++) {
+        const int lo = (i < 8 ? s[i] : s[i - 8] >> 4) & 15;
+        const int hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+        sc[i] = (lo | (hi << 4)) - 32;
+    }
+}
+
+// Decode one block of type t at p (qt_block(t) weights).
+static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
+    switch (t) {
+    case QT_Q4_0: case QT_Q4_1: case QT_IQ4_NL: {
+        const float d = qt_f16(p);
+        const uint8_t *qs = p + (t == QT_Q4_1 ? 4 : 2);
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 15, hi = qs[j] >> 4;
+            if (t == QT_IQ4_NL) o->q[j] = QT_KVALUES[lo], o->q[j + 16] = QT_KVALUES[hi];
+            else if (t == QT_Q4_0) o->q[j] = (int8_t)(lo - 8), o->q[j + 16] = (int8_t)(hi - 8);
+            else o->q[j] = (int8_t)lo, o->q[j + 16] = (int8_t)hi;
+        }
+        o->sc[0] = o->sc[1] = d;
+        o->mn[0] = o->mn[1] = t == QT_Q4_1 ? qt_f16(p + 2) : 0.f;
+        break;
+    }
+    case QT_Q5_0: case QT_Q5_1: {
+        const int off = t == QT_Q5_1 ? 2 : 0;
+        const float d = qt_f16(p);
+        uint32_t qh;
+        memcpy(&qh, p + 2 + off, 4);
+        const uint8_t *qs = p + 6 + off;
+        const int bias = t == QT_Q5_0 ? 16 : 0;
+        for (int j = 0; j < 16; j++) {
+            o->q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - bias);
+            o->q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+        }
+        o->sc[0] = o->sc[1] = d;
+        o->mn[0] = o->mn[1] = t == QT_Q5_1 ? qt_f16(p + 2) : 0.f;
+        break;
+    }
+    case QT_Q8_0: {
+        memcpy(o->q, p + 2, 32);
+        o->sc[0] = o->sc[1] = qt_f16(p);
+        o->mn[0] = o->mn[1] = 0.f;
+        break;
+    }
+    case QT_Q2_K: {   // scales[16] qs[64] d dmin
+        const uint8_t *sc = p, *qs = p + 16;
+        const float d = qt_f16(p + 80), dmin = qt_f16(p + 82);
+        for (int e = 0; e < 256; e++) {
+            const int h = e >> 7, j = (e & 127) >> 5, l = e & 31;
+            o->q[e] = (int8_t)((qs[h * 32 + l] >> (2 * j)) & 3);
+        }
+        for (int i = 0; i < 16; i++) {
+            o->sc[i] = d * (float)(sc[i] & 15);
+            o->mn[i] = -(dmin * (float)(sc[i] >> 4));
+        }
+        break;
+    }
+    case QT_Q3_K: {   // hmask[32] qs[64] scales[12] d
+        const uint8_t *hm = p, *qs = p + 32;
+        const float d = qt_f16(p + 108);
+        int sc[16];
+        qt_q3k_scales(p + 96, sc);
+        for (int e = 0; e < 256; e++) {
+            const int h = e >> 7, j = (e & 127) >> 5, l = e & 31;
+            const int lo = (qs[h * 32 + l] >> (2 * j)) & 3, hb = (hm[l] >> (e >> 5)) & 1;
+            o->q[e] = (int8_t)(lo - (hb ? 0 : 4));
+        }
+        for (int i = 0; i < 16; i++) o->sc[i] = d * (float)sc[i], o->mn[i] = 0.f;
+        break;
+    }
+    case QT_Q4_K: case QT_Q5_K: {   // d dmin scales[12] (qh[32]) qs[128]
+        const float d = qt_f16(p), dmin = qt_f16(p + 2);
+        int sc[8], mn[8];
+        qt_k_scales(p + 4, sc, mn);
+        const uint8_t *qh = p + 16, *qs = p + (t == QT_Q5_K ? 48 : 16);
+        for (int e = 0; e < 256; e++) {
+            const int c = e >> 6, half = (e & 63) >> 5, l = e & 31;
+            int v = (qs[c * 32 + l] >> (4 * half)) & 15;
+            if (t == QT_Q5_K) v |= ((qh[l] >> (e >> 5)) & 1) << 4;
+            o->q[e] = (int8_t)v;
+        }
+        for (int i = 0; i < 16; i++) {
+            o->sc[i] = d * (float)sc[i >> 1];
+            o->mn[i] = -(dmin * (float)mn[i >> 1]);
+        }
+        break;
+    }
+    case QT_Q6_K: {   // ql[128] qh[64] scales[16] d
+        const uint8_t *ql = p, *qh = p + 128;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const float d = qt_f16(p + 208);
+        for (int e = 0; e < 256; e++) {
+            const int h = e >> 7, half = (e & 127) >> 6, l64 = e & 63, j = (e & 127) >> 5, l = e & 31;
+            const int lo = (ql[h * 64 + l64] >> (4 * half)) & 15, hi = (qh[h * 32 + l] >> (2 * j)) & 3;
+            o->q[e] = (int8_t)((lo | (hi << 4)) - 32);
+        }
+        for (int i = 0; i < 16; i++) o->sc[i] = d * (float)sc[i], o->mn[i] = 0.f;
+        break;
+    }
+    case QT_IQ4_XS: {   // d scales_h(u16) scales_l[4] qs[128]
+        const float d = qt_f16(p);
+        const int sh = p[2] | (p[3] << 8);
+        const uint8_t *sl = p + 4, *qs = p + 8;
+        for (int s = 0; s < 8; s++) {
+            const int ls = (((sl[s >> 1] >> (4 * (s & 1))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+            o->sc[2 * s] = o->sc[2 * s + 1] = d * (float)ls;
+            o->mn[2 * s] = o->mn[2 * s + 1] = 0.f;
+            for (int l = 0; l < 16; l++) {
+                o->q[32 * s + l] = QT_KVALUES[qs[16 * s + l] & 15];
+                o->q[32 * s + 16 + l] = QT_KVALUES[qs[16 * s + l] >> 4];
+            }
+        }
+        break;
+    }
+    default:
+        memset(o, 0, sizeof(*o));
+    }
+}
+
+// -- fast product: one weight row of block type t against nb int8 activation rows ------------------
+static inline void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb,
+                             float *out) {
+    const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t);
+    QTBlock u;
+#if defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        for (int c = 0; c < QK / 32; c++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(u.q + 32 * c));
+            const __m256i qa = _mm256_sign_epi8(qv, qv);
+            // lanes 0-3 hold sub-block 2c, lanes 4-7 sub-block 2c + 1
+            const __m256 sv = _mm256_set_m128(_mm_set1_ps(u.sc[2 * c + 1]), _mm_set1_ps(u.sc[2 * c]));
+            const __m256 mv = _mm256_set_m128(_mm_set1_ps(u.mn[2 * c + 1]), _mm_set1_ps(u.mn[2 * c]));
+            const int g = blk * (QK / 32) + c;
+            for (int b = 0; b < nb; b++) {
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + 32 * g));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(av, qv)), ones16);
+                const __m256 dx = _mm256_set1_ps(xd[(int64_t)b * G + g]);
+                acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, dx), acc[b]);
+                if (mins) {
+                    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, av), ones16);
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(mv, dx), acc[b]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+#else
+    float acc[MAX_ROWS] = {0};
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        for (int s = 0; s < QK / 16; s++) {
+            const int g = (blk * QK + 16 * s) / 32;
+            const int8_t *qs = u.q + 16 * s;
+            for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + blk * QK + 16 * s;
+#if defined(SS_NEON) && defined(__ARM_FEATURE_DOTPROD)
+                const int32_t dot = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(qs), vld1q_s8(a)));
+                const int32_t sum = mins ? vaddlvq_s8(vld1q_s8(a)) : 0;
+#elif defined(SS_NEON)
+                const int8x16_t qv = vld1q_s8(qs), av = vld1q_s8(a);
+                int16x8_t m = vmull_s8(vget_low_s8(qv), vget_low_s8(av));
+                int32x4_t p = vpaddlq_s16(m);
+                p = vpadalq_s16(p, vmull_s8(vget_high_s8(qv), vget_high_s8(av)));
+                const int32_t dot = vaddvq_s32(p);
+                const int32_t sum = mins ? vaddlvq_s8(av) : 0;
+#else
+                int32_t dot = 0, sum = 0;
+                for (int j = 0; j < 16; j++) dot += qs[j] * a[j], sum += a[j];
+#endif
+                const float dx = xd[(int64_t)b * G + g];
+                acc[b] += dx * (u.sc[s] * (float)dot + (mins ? u.mn[s] * (float)sum : 0.f));
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = acc[b];
+#endif
+}
+
+// -- exact product: fp32 activations -----------------------------------------------------------------
+static inline void qt_f_row(int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
+    if (t == QT_F16 || t == QT_BF16) {
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (int64_t)b * K;
+            int i = 0;
+            float s = 0.f;
+#if defined(SS_AVX2)
+            __m256 acc = _mm256_setzero_ps();
+            for (; i + 8 <= K; i += 8) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(w + 2 * i));
+                const __m256 wf = t == QT_F16 ? _mm256_cvtph_ps(h)
+                                              : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                acc = _mm256_fmadd_ps(wf, _mm256_loadu_ps(xb + i), acc);
+            }
+            s = hsum256(acc);
+#endif
+            for (; i < K; i++) s += (t == QT_F16 ? qt_f16(w + 2 * (int64_t)i) : qt_bf16(w + 2 * (int64_t)i)) * xb[i];
+            out[b] = s;
+        }
+        return;
+    }
+    const int QK = qt_block(t), BB = qt_bytes(t), mins = qt_has_min(t);
+    QTBlock u;
+#if defined(SS_AVX2)
+    __m256 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        for (int s = 0; s < QK / 16; s++) {
+            const __m128i q16 = _mm_loadu_si128((const __m128i *)(u.q + 16 * s));
+            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16));
+            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q16, 8)));
+            const __m256 sv = _mm256_set1_ps(u.sc[s]), mv = _mm256_set1_ps(u.mn[s]);
+            for (int b = 0; b < nb; b++) {
+                const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
+                const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+                const __m256 tq = _mm256_fmadd_ps(w1, x1, _mm256_mul_ps(w0, x0));
+                acc[b] = _mm256_fmadd_ps(tq, sv, acc[b]);
+                if (mins) acc[b] = _mm256_fmadd_ps(_mm256_add_ps(x0, x1), mv, acc[b]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+#else
+    float acc[MAX_ROWS] = {0};
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        for (int s = 0; s < QK / 16; s++) {
+            for (int b = 0; b < nb; b++) {
+                const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
+                float dot = 0.f, sum = 0.f;
+                for (int j = 0; j < 16; j++) dot += (float)u.q[16 * s + j] * xg[j], sum += xg[j];
+                acc[b] += u.sc[s] * dot + (mins ? u.mn[s] * sum : 0.f);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = acc[b];
+#endif
+}
+
+// one row of K weights as fp32 (the embedding table); same values as the reference dequantization
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))   // sc * q, then + mn: two roundings, as the reference
+#endif
+static void qt_dequant_row(int t, const uint8_t *w, int K, float *out) {
+    if (t == QT_F16 || t == QT_BF16) {
+        for (int i = 0; i < K; i++) out[i] = t == QT_F16 ? qt_f16(w + 2 * i) : qt_bf16(w + 2 * i);
+        return;
+    }
+    const int QK = qt_block(t), BB = qt_bytes(t);
+    QTBlock u;
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        for (int i = 0; i < QK; i++) {
+            float v = u.sc[i / 16] * (float)u.q[i];
+            if (qt_has_min(t)) v = v + u.mn[i / 16];
+            out[blk * QK + i] = v;
+        }
+    }
+}

@@ -1,0 +1,122 @@
+"""Every ggml block type read in place (kernels/cpu/qtypes.h): decoding bit-exact against gguf-py's
+reference dequantization, and the native products (exact and fast paths) against torch over the
+dequantized weights, including matrices stacked from parts of different types."""
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from slipstream.kernels.cpu import load_library
+from slipstream.weights.gguf import _q4k_linear
+from slipstream.weights.quant import RAW_TYPES, Linear, concat_rows
+
+lib = load_library()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: native kernels unavailable")
+
+# byte offsets of each block's fp16 scale fields (random bytes there could be inf/nan)
+F16_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
+              QT.IQ4_NL: (0,), QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2),
+              QT.Q6_K: (208,), QT.IQ4_XS: (0,)}
+BLOCK_TYPES = [QT(t) for t, (_, qk, _) in RAW_TYPES.items() if qk > 1] + [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+
+
+def random_blocks(qt: QT, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid blocks built by hand: random codes and scale bytes, sane random fp16 scales."""
+    rng = np.random.default_rng(seed)
+    qk, bb = gguf.GGML_QUANT_SIZES[qt]
+    b = rng.integers(0, 256, size=(n, k // qk, bb), dtype=np.uint8)
+    for off in F16_FIELDS[qt]:
+        d = (rng.uniform(0.5, 2.0, size=(n, k // qk)) * 10.0 ** rng.integers(-4, -1, size=(n, k // qk)))
+        d *= rng.choice([-1.0, 1.0], size=d.shape) if off == 0 else 1.0
+        b[..., off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(n, k // qk, 2)
+    return b.reshape(n, -1)
+
+
+def as_linear(qt: QT, blocks: np.ndarray, n: int, k: int) -> Linear:
+    if int(qt) in RAW_TYPES:
+        return Linear.from_raw(int(qt), blocks, n, k)
+    return Linear.from_blocks(int(qt), blocks, n, k)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.int32)
+
+
+@pytest.mark.parametrize("qt", BLOCK_TYPES, ids=lambda t: t.name)
+def test_decoding_is_bit_exact(qt: QT) -> None:
+    n, k = 5, 512
+    blocks = random_blocks(qt, n, k, seed=int(qt))
+    ref = gguf.quants.dequantize(blocks, qt).reshape(n, k)
+    got = as_linear(qt, blocks, n, k).dequantize().numpy()
+    assert np.array_equal(bits(got), bits(ref))
+    # the embedding path decodes single rows natively
+    out = np.empty(k, np.float32)
+    if int(qt) in RAW_TYPES:
+        lib.ss_qt_dequant(int(qt), blocks[3:].ctypes.data, 0, 1, k, out.ctypes.data)
+        assert np.array_equal(bits(out), bits(ref[3]))
+
+
+@pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16],
+                         ids=lambda t: t.name)
+def test_gguf_quantizer_output_decodes_exactly(qt: QT) -> None:
+    """Weights quantized by gguf-py's own quantizers, as a converter writes them."""
+    rng = np.random.default_rng(1)
+    n, k = 6, 256
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    q = gguf.quants.quantize(w, qt)
+    ref = gguf.quants.dequantize(q, qt).reshape(n, k)
+    got = as_linear(qt, q.view(np.uint8).reshape(n, -1), n, k).dequantize().numpy()
+    assert np.array_equal(bits(got), bits(ref))
+
+
+def native_product(w: Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.n)
+    lib.ss_matmul(ctypes.byref(w.ss_mat()), x.shape[0], x.data_ptr(), y.data_ptr(), int(exact))
+    return y
+
+
+@pytest.mark.parametrize("qt", [QT(t) for t in RAW_TYPES], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_native_products(qt: QT, rows: int) -> None:
+    n, k = 7, 512
+    if qt in (QT.F16, QT.BF16):
+        w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+        blocks = w32.to(torch.float16 if qt == QT.F16 else torch.bfloat16).view(torch.uint8).numpy()
+    else:
+        blocks = random_blocks(qt, n, k, seed=3)
+    w = as_linear(qt, blocks, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
+    ref = x.double() @ w.dequantize().double().T
+    scale = ref.abs().max().item()
+    exact = native_product(w, x, exact=True)
+    assert torch.allclose(exact.double(), ref, rtol=1e-4, atol=1e-4 * scale)
+    fast = native_product(w, x, exact=False)   # int8 activations: a quantization-sized error
+    assert torch.allclose(fast.double(), ref, rtol=0, atol=0.03 * scale)
+    assert torch.allclose(w(x).double(), ref, rtol=1e-4, atol=1e-4 * scale)   # the Linear's own call
+
+
+def test_stacked_parts_of_different_types() -> None:
+    """A Q4_K_M-style fused QKV: Q/K re-blocked from Q4_K, V raw Q6_K, plus an F32 part and a bias."""
+    k = 256
+    q = _q4k_linear(random_blocks(QT.Q4_K, 8, k, seed=5), 8, k)   # as the GGUF loader re-blocks them
+    kk = _q4k_linear(random_blocks(QT.Q4_K, 4, k, seed=6), 4, k)
+    v = as_linear(QT.Q6_K, random_blocks(QT.Q6_K, 4, k, seed=7), 4, k)
+    f = Linear.dense(torch.randn(3, k) * 0.01)
+    v.bias = torch.randn(4)
+    w = concat_rows([q, kk, v, f])
+    assert w.parts is not None and len(w.parts) == 3   # Q and K share one layout: one part
+    dense = torch.cat([p.dequantize() for p in (q, kk, v, f)])
+    assert torch.equal(w.dequantize(), dense)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(8))
+    ref = x.double() @ dense.double().T + w.bias.double()
+    scale = ref.abs().max().item()
+    for exact in (True, False):
+        got = native_product(w, x, exact)
+        assert torch.allclose(got.double(), ref, rtol=0, atol=(1e-4 if exact else 0.03) * scale)
+    assert torch.allclose(w(x).double(), ref, rtol=0, atol=1e-4 * scale)
+    assert w.format_name == "Q4_K+Q6_K+F32"
