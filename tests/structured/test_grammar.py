@@ -1,0 +1,128 @@
+"""Constraints compiled with llguidance on the default model's own tokenizer: the masks allow exactly
+the tokens that continue a valid answer, bad constraints are refused with a reason, and masks apply
+to a batch of logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slipstream.structured.constraint import Constraint, ConstraintError
+from slipstream.structured.masks import apply_masks, fill_masks
+
+pytest.importorskip("llguidance", reason="llguidance (structured output) is not installed")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from support import skip_unless_default_model
+
+    skip_unless_default_model()
+    from slipstream.tokenizer import Tokenizer
+    from slipstream.weights import default_model_path
+
+    return Tokenizer.from_gguf(default_model_path())
+
+
+def _matcher(tok, c: Constraint):
+    from slipstream.structured.grammar import Matcher, compile_constraint
+
+    return Matcher(compile_constraint(tok, c), tok)
+
+
+def _allowed(tok, m) -> set[int]:
+    logits = torch.zeros(1, tok.vocab_size)
+    apply_masks(logits, fill_masks([m], tok.vocab_size))
+    return set((logits[0] == 0).nonzero().flatten().tolist())
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_a_schema_allows_its_answer_token_by_token_and_then_only_eos(tok):
+    m = _matcher(tok, Constraint.json_schema(SCHEMA))
+    for t in tok.encode('{"name":"Ada","age":36}', add_special_tokens=False):
+        assert t in _allowed(tok, m)
+        assert m.accept(t)
+    assert _allowed(tok, m) == set(tok.eos_token_ids)   # every EOS of the model, not one
+    assert m.finished
+
+
+def test_the_mask_forbids_what_breaks_the_schema(tok):
+    m = _matcher(tok, Constraint.json_schema(SCHEMA))
+    allowed = _allowed(tok, m)
+    for bad in ("hello", " {", "[", "```"):
+        assert tok.encode(bad, add_special_tokens=False)[0] not in allowed, bad
+    for t in tok.encode('{"name":"Ada","age":', add_special_tokens=False):
+        assert m.accept(t)
+    after = _allowed(tok, m)
+    assert tok.token_to_id('"') not in after          # age is an integer
+    assert any(tok.decode([t]).isdigit() for t in after)
+
+
+def test_properties_come_in_the_schema_order(tok):
+    """The constraint keeps the schema's key order (OpenAI's strict outputs follow it)."""
+    c = Constraint.json_schema({"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}},
+                                "required": ["z", "a"], "additionalProperties": False})
+    assert list(json.loads(c.spec)["properties"]) == ["z", "a"]
+    m = _matcher(tok, c)
+    assert m.valid_prefix(tok.encode('{"z":1,"a":2}', add_special_tokens=False)) > 0
+    assert m.valid_prefix(tok.encode('{"a":', add_special_tokens=False)) < len(tok.encode('{"a":', add_special_tokens=False))
+
+
+def test_choice_regex_and_gbnf_grammars(tok):
+    m = _matcher(tok, Constraint.choice(["yes", "no"]))
+    allowed = {tok.decode([t]) for t in _allowed(tok, m)}
+    assert allowed and all("yes".startswith(a) or "no".startswith(a) for a in allowed)
+    m = _matcher(tok, Constraint.regex("[0-9]{3}"))
+    assert all(tok.decode([t]).isdigit() for t in _allowed(tok, m))
+    m = _matcher(tok, Constraint.grammar('root ::= "A" ("B" | "C")'))
+    ids = tok.encode("AB", add_special_tokens=False)
+    assert m.valid_prefix(ids) == len(ids)
+
+
+@pytest.mark.parametrize("c,code", [
+    (Constraint.json_schema({"type": "strin"}), "invalid_json_schema"),
+    (Constraint.json_schema({"type": "string", "pattern": "(?<=a)b"}), "invalid_json_schema"),   # look-behind
+    (Constraint.grammar("root ::= ("), "invalid_grammar"),
+])
+def test_bad_constraints_are_refused_with_the_reason(tok, c, code):
+    from slipstream.structured.grammar import compile_constraint
+
+    with pytest.raises(ConstraintError) as e:
+        compile_constraint(tok, c)
+    assert e.value.code == code and str(e.value)
+
+
+def test_constraints_refuse_bad_input_before_compiling():
+    with pytest.raises(ConstraintError):
+        Constraint.regex("([")
+    with pytest.raises(ConstraintError):
+        Constraint.choice([])
+    with pytest.raises(ConstraintError):
+        Constraint.json_schema("not a schema")   # type: ignore[arg-type]
+
+
+def test_equal_constraints_merge_different_ones_do_not():
+    from slipstream.engine.sampling import SamplingParams
+
+    a = SamplingParams(temperature=0, constraint=Constraint.json_schema(SCHEMA))
+    b = SamplingParams(temperature=0, constraint=Constraint.json_schema(dict(SCHEMA)))
+    c = SamplingParams(temperature=0, constraint=Constraint.regex("x+"))
+    assert repr(a) == repr(b) and repr(a) != repr(c)   # the engine's merge key holds repr(params)
+
+
+def test_apply_masks_touches_only_the_given_rows():
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    mask = torch.zeros(1, 3, dtype=torch.int32)
+    mask[0, 0] = 0b101            # tokens 0 and 2
+    mask[0, 2] = 1 << 1           # token 65
+    apply_masks(logits, mask, rows=[1])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    kept = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+    assert kept == [0, 2, 65]
+    assert torch.equal(logits[1, kept], before[1, kept])
