@@ -1,0 +1,170 @@
+"""What the tensor-parallel test runs in each of its ranks (spawned processes): tiny random models of
+the four families, built the same way on every rank from one seed, and the comparison rank 0 makes
+between the model and its sharded version (rank 0 drives an `Engine`; the other ranks follow)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 128
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _mat(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Weights scaled by 1/sqrt(fan-in): logits of order 1, so greedy choices are not near-ties."""
+    return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+
+def _norm(g: torch.Generator, n: int) -> torch.Tensor:
+    return 1.0 + 0.2 * torch.randn(n, generator=g)
+
+
+def tiny_llama(kind: str, seed: int = 0) -> Any:
+    from slipstream.config import ModelConfig
+    from slipstream.models.llama import LlamaModel
+    from slipstream.weights.layers import LlamaLayer
+    from slipstream.weights.quant import Linear
+
+    qwen3 = kind == "qwen3"
+    cfg = ModelConfig(architecture="qwen3" if qwen3 else "llama", vocab_size=VOCAB, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=24 if qwen3 else 16, intermediate_size=96,
+                      rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=not qwen3, qk_norm=qwen3)
+    g = _g(seed)
+    H, KVH, D, Hd, Fd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    w: dict[str, Any] = {"embed": Linear.dense(_mat(g, VOCAB, Hd)), "norm": _norm(g, Hd)}
+    w["lm_head"] = w["embed"] if cfg.tie_word_embeddings else Linear.dense(_mat(g, VOCAB, Hd))
+    for i in range(cfg.num_layers):
+        w[f"layers.{i}"] = LlamaLayer(
+            attn_norm=_norm(g, Hd), ffn_norm=_norm(g, Hd), qkv=Linear.dense(_mat(g, (H + 2 * KVH) * D, Hd)),
+            o=Linear.dense(_mat(g, Hd, H * D)), gate_up=Linear.dense(_mat(g, 2 * Fd, Hd)),
+            down=Linear.dense(_mat(g, Hd, Fd)), q_norm=_norm(g, D) if qwen3 else None,
+            k_norm=_norm(g, D) if qwen3 else None)
+    return LlamaModel(cfg, w)
+
+
+def tiny_deepseek(kind: str, seed: int = 0) -> Any:
+    from slipstream.config import DeepseekConfig
+    from slipstream.models.deepseek import DeepseekModel
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
+                  moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
+                  mlp_layer_types=["dense", "sparse", "sparse"], rms_norm_eps=1e-6, max_position_embeddings=512)
+    if kind == "deepseek_v3":
+        cfg = DeepseekConfig(architecture="deepseek_v3", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                             attention="mla", q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+                             qk_rope_head_dim=8, v_head_dim=12, **common)
+    else:   # GLM-4.5 MoE: GQA with biases, q/k norm, partial rotary
+        cfg = DeepseekConfig(architecture="glm4_moe", routed_scaling_factor=1.5, attention="gqa", num_kv_heads=2,
+                             head_dim=16, partial_rotary_factor=0.5, attention_bias=True, qk_norm=True, **common)
+    g = _g(seed)
+    Hd, H = cfg.hidden_size, cfg.num_heads
+
+    def mlp(f: int) -> dict[str, torch.Tensor]:
+        return {"gate_up": _mat(g, 2 * f, Hd), "down": _mat(g, Hd, f)}
+
+    w: dict[str, Any] = {"embed": _mat(g, VOCAB, Hd), "norm": _norm(g, Hd), "lm_head": _mat(g, VOCAB, Hd)}
+    for i, kind_i in enumerate(cfg.mlp_layer_types):
+        L: dict[str, Any] = {"attn_norm": _norm(g, Hd), "ffn_norm": _norm(g, Hd), "o_bias": None}
+        if cfg.attention == "mla":
+            dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            L.update(q_a=_mat(g, cfg.q_lora_rank, Hd), q_a_norm=_norm(g, cfg.q_lora_rank),
+                     q_b=_mat(g, H * (dn + dr), cfg.q_lora_rank), kv_a=_mat(g, r + dr, Hd), kv_a_norm=_norm(g, r),
+                     kv_b=_mat(g, H * (dn + dv), r), o=_mat(g, Hd, H * dv))
+        else:
+            D, KVH = cfg.head_dim, cfg.num_kv_heads
+            L.update(q=_mat(g, H * D, Hd), k=_mat(g, KVH * D, Hd), v=_mat(g, KVH * D, Hd),
+                     q_bias=0.2 * torch.randn(H * D, generator=g), k_bias=0.2 * torch.randn(KVH * D, generator=g),
+                     v_bias=0.2 * torch.randn(KVH * D, generator=g), q_norm=_norm(g, D), k_norm=_norm(g, D),
+                     o=_mat(g, Hd, H * D))
+        if kind_i == "dense":
+            L["mlp"] = mlp(cfg.intermediate_size)
+        else:
+            f, E = cfg.moe_intermediate_size, cfg.n_routed_experts
+            experts = [mlp(f) for _ in range(E)]
+            L["moe"] = {"router": _mat(g, E, Hd), "correction_bias": 0.2 * torch.randn(E, generator=g),
+                        "gate_up": torch.stack([e["gate_up"] for e in experts]),
+                        "down": torch.stack([e["down"] for e in experts]), "shared": mlp(f)}
+        w[f"layers.{i}"] = L
+    return DeepseekModel(cfg, w)
+
+
+BUILDERS = {"llama": tiny_llama, "qwen3": tiny_llama, "deepseek_v3": tiny_deepseek, "glm4_moe": tiny_deepseek}
+
+
+class _Detok:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def add_many(self, ids: Any) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class StubTokenizer:
+    """The engine detokenizes its output; these tests compare token ids only."""
+    eos_token_ids: tuple[int, ...] = ()
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> _Detok:
+        return _Detok()
+
+
+def greedy(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of each prompt, batched by an `Engine` (eager runtime) over `model`."""
+    from slipstream.engine.config import EngineConfig
+    from slipstream.engine.engine import Engine
+    from slipstream.engine.request import Request
+    from slipstream.engine.sampling import SamplingParams
+
+    eng = Engine(model, StubTokenizer(), EngineConfig(runtime="eager", kv_cache_tokens=512, prefill_chunk=8,
+                                                      max_batch=4))
+    reqs = [Request(list(p), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts]
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_ids for r in reqs]
+
+
+def step_logits(model: Any, prompt: list[int]) -> torch.Tensor:
+    """Logits of every position of `prompt` as one prefill step, then of one decode step."""
+    from slipstream.kv.blocks import SequenceKV
+    from slipstream.step import prefill_step
+
+    kv = model.new_kv_cache(8, 16)
+    seq = SequenceKV(kv)
+    seq.reserve(len(prompt) + 1)
+    a = model.forward(prefill_step(seq, prompt, logits="all"), kv)
+    b = model.forward(prefill_step(seq, [int(a[-1].argmax())], start=len(prompt)), kv)
+    return torch.cat([a, b])
+
+
+def run(rank: int, world: int, init_file: str, names: list[str], out: str) -> None:
+    """One rank: shard each model; rank 0 compares, the others follow."""
+    from slipstream.distributed.tensor_parallel import Collectives, ShardedModel, TensorParallelModel, follow
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results: dict[str, Any] = {}
+    prompts = [[(7 * i + 3) % VOCAB for i in range(21)], [(11 * i + 5) % VOCAB for i in range(9)]]
+    try:
+        for name in names:
+            full = BUILDERS[name](name)
+            shard = ShardedModel(full, Collectives())
+            if rank != 0:
+                follow(shard)
+                continue
+            tp = TensorParallelModel(shard)
+            results[name] = {"ref_logits": step_logits(full, prompts[0]), "tp_logits": step_logits(tp, prompts[0]),
+                             "ref_tokens": greedy(full, prompts, 16), "tp_tokens": greedy(tp, prompts, 16)}
+            tp.stop()
+    finally:
+        if rank == 0:
+            torch.save(results, out)
+        dist.destroy_process_group()
