@@ -259,9 +259,12 @@ async function send() {
   const answer = { role: "assistant", content: "", reasoning: "", stats: null };
   c.messages.push(answer);
   store.save();
-  renderAll();
+  renderList();
+  // appended, not re-rendered: a screen reader announces only what is new in the log
+  ui.empty.remove();
   const view = messageView(answer);
-  ui.messages.lastElementChild.replaceWith(view.root);
+  ui.messages.append(messageView(c.messages[c.messages.length - 2]).root, view.root);
+  scrollToEnd(true);
   view.root.setAttribute("aria-busy", "true");
   await stream(c, answer, view, request);
   view.root.removeAttribute("aria-busy");
