@@ -221,6 +221,14 @@ def run_server(llm: Any, config: ServerConfig | None = None, *, host: str = "127
             else:                           # the second: stop now
                 super().handle_exit(sig, frame)
 
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:   # listening: say where the chat page is (the port bound, when 0 was asked)
+                bound = next((s.getsockname()[1] for srv in self.servers for s in srv.sockets), port)
+                shown = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info("Chat page: http://%s:%d/ (open it in a browser)",
+                                                        shown, bound)
+
         async def on_tick(self, counter: int) -> bool:
             if self.drain_requested and self.drain_task is None:
                 self.drain_task = asyncio.create_task(_drain(state, config.drain_timeout))
@@ -233,8 +241,6 @@ def run_server(llm: Any, config: ServerConfig | None = None, *, host: str = "127
                              timeout_keep_alive=config.idle_timeout,  # type: ignore[arg-type]
                              timeout_graceful_shutdown=5, server_header=False)
     server = _Server(uconfig)
-    shown = f"[{host}]" if ":" in host else host
-    logging.getLogger("uvicorn.error").info("Chat page: http://%s:%d/ (in a browser)", shown, port)
     # uvicorn re-raises the signal it stopped on once it has restored the handlers it found; with
     # these no-op handlers in place a graceful shutdown ends with a normal return (exit code 0).
     handled = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
