@@ -42,6 +42,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="guesses verified per step with --speculative (default 4)")
     p.add_argument("--exact", action="store_true",
                    help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N processes with torch.distributed (gloo): heads, FFN features, "
+                        "experts and the vocabulary divided between them; runs the eager step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="Ray GPUs per replica (default 0)")
     d.add_argument("--replica-threads", type=int, default=None, metavar="T",
                    help="compute threads per replica (SLIPSTREAM_THREADS; default: its CPUs, at least 1)")
-    d.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="split the model over N processes with torch.distributed (gloo on CPU, NCCL on GPU)")
 
     k = sub.add_parser("compile", help="write an ahead-of-time artifact that serve/generate/chat load directly")
     k.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
@@ -171,11 +172,32 @@ def _progress(msg: str) -> None:
         sys.stderr.flush()
 
 
-def _load(args: argparse.Namespace, config=None):
+_TP_GROUPS: list = []   # tensor-parallel follower groups started by this command (closed at exit)
+
+
+def _build_llm(args: argparse.Namespace, config):
+    """The LLM the flags ask for: one process, or rank 0 of a --tensor-parallel group."""
     from slipstream.api import LLM
 
+    if getattr(args, "tensor_parallel", 1) < 1:
+        raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if getattr(args, "tensor_parallel", 1) == 1:
+        return LLM(args.model, config=config, progress=_progress)
+    from slipstream.distributed.tp_launch import tensor_parallel_llm
+
+    llm, group = tensor_parallel_llm(args.model, config, args.tensor_parallel, progress=_progress)
+    _TP_GROUPS.append(group)
+    return llm
+
+
+def _close_tp_groups() -> None:
+    while _TP_GROUPS:
+        _TP_GROUPS.pop().close()
+
+
+def _load(args: argparse.Namespace, config=None):
     try:
-        return LLM(args.model, config=config or _engine_config(args), progress=_progress)
+        return _build_llm(args, config or _engine_config(args))
     finally:
         _progress("")
 
@@ -303,6 +325,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replica_opts = _replica_options(args)
     if args.tensor_parallel < 1:
         raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
+    if replica_opts is not None and args.tensor_parallel > 1:
+        raise SlipstreamError("--tensor-parallel with --replicas is not supported yet: choose one")
     try:   # fail before loading the model if the address is taken
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -314,8 +338,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if replica_opts is not None:
         from slipstream.distributed.ray_serve import run_replicas
 
-        if args.tensor_parallel > 1:
-            raise SlipstreamError("--tensor-parallel with --replicas is not supported yet: choose one")
         print(f"starting {replica_opts.replicas} replica(s) of {args.model or 'smollm2-135m'} on Ray Serve; "
               f"{_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
         run_replicas(args.model, config, server_config, replica_opts, host=args.host, port=args.port,
@@ -327,13 +349,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise SlipstreamError(f"the server needs fastapi, uvicorn and prometheus-client ({e.name or e} is missing): "
                               f"pip install fastapi uvicorn prometheus-client") from None
-    from slipstream.api import LLM
-
     t0 = time.perf_counter()
     from slipstream.server.async_engine import build_off_main_thread
 
     try:
-        llm = build_off_main_thread(lambda: LLM(args.model, config=config, progress=_progress))
+        llm = build_off_main_thread(lambda: _build_llm(args, config))
     finally:
         _progress("")
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
@@ -389,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `slipstream generate ... | head`
         return 0
+    finally:
+        _close_tp_groups()
 
 
 if __name__ == "__main__":
