@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from slipstream.errors import SlipstreamError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
+from slipstream.models.base import Model
 from slipstream.step import StepInput
 
 
@@ -302,7 +303,7 @@ class TensorParallelModel:
     """Rank 0's shard behind the `Model` protocol: the engine drives it as one model; every call
     that the other ranks must mirror (a new KV cache, a step) is broadcast to them first."""
 
-    devices = ("cpu",)
+    devices: tuple[str, ...] = ("cpu",)
 
     def __init__(self, shard: ShardedModel):
         self.shard = shard
@@ -323,7 +324,7 @@ class TensorParallelModel:
     def kv_bytes_per_token(self) -> int:
         return self.shard.kv_bytes_per_token()
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> TensorParallelModel:
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Model:
         if torch.device(device).type != "cpu":
             raise SlipstreamError("tensor parallelism runs on the CPU (gloo) for now")
         return self
