@@ -378,8 +378,9 @@ def test_markdown_renders_and_never_runs_what_it_is_given(page, server):
 
 
 def test_reasoning_content_shows_as_a_thinking_block(page, server):
-    """The page folds `reasoning_content` deltas into a collapsible block (the stream is scripted here,
-    so this runs whatever the served model does)."""
+    """The page folds `reasoning_content` deltas into a collapsible block, and a code block in the
+    answer gets a working copy button (the stream is scripted here, so this runs whatever the
+    served model does)."""
     model = _model_id(server)
     head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": model}
 
@@ -389,7 +390,8 @@ def test_reasoning_content_shows_as_a_thinking_block(page, server):
 
     usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     sse = "".join([chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Let me "}),
-                   chunk({"reasoning_content": "think."}), chunk({"content": "The **answer**."}), chunk({}, "stop"),
+                   chunk({"reasoning_content": "think."}), chunk({"content": "The **answer**."}),
+                   chunk({"content": "\n\n```sh\necho '<hi>'\n"}), chunk({"content": "```"}), chunk({}, "stop"),
                    f"data: {json.dumps(dict(head, choices=[], usage=usage))}\n\n", "data: [DONE]\n\n"])
     page.route("**/v1/chat/completions", lambda route: route.fulfill(
         status=200, headers={"content-type": "text/event-stream"}, body=sse))
@@ -402,6 +404,10 @@ def test_reasoning_content_shows_as_a_thinking_block(page, server):
     assert not page.is_visible(".msg.assistant .thinking-body")
     page.click(".msg.assistant details.thinking summary")     # unfolds
     assert page.inner_text(".msg.assistant .thinking-body") == "Let me think."
-    assert page.inner_html(".msg.assistant .body") == "<p>The <strong>answer</strong>.</p>"
+    assert page.inner_html(".msg.assistant .body > p") == "The <strong>answer</strong>."
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server)
+    page.click(".msg.assistant pre button.copy")
+    page.wait_for_function("() => document.querySelector('.msg.assistant pre button.copy').textContent === 'Copied'")
+    assert page.evaluate("navigator.clipboard.readText()") == "echo '<hi>'"
     assert _last_answer(page)["reasoning"] == "Let me think."
     assert page.locator(".msg.assistant .stats").get_attribute("data-tokens") == "4"

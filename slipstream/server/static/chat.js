@@ -183,7 +183,19 @@ function messageView(m) {
 
 function paint(view, m) {
   if (m.role === "user") view.body.textContent = m.content;
-  else view.body.innerHTML = renderMarkdown(m.content);
+  else {
+    view.body.innerHTML = renderMarkdown(m.content);
+    if (navigator.clipboard) {   // a secure context (localhost or https): a copy button per code block
+      for (const pre of view.body.querySelectorAll("pre")) {
+        const copy = document.createElement("button");
+        copy.type = "button";
+        copy.className = "copy";
+        copy.textContent = "Copy";
+        copy.setAttribute("aria-label", "Copy the code");
+        pre.prepend(copy);
+      }
+    }
+  }
   if (m.reasoning) {
     view.thinking.hidden = false;
     view.thinkingBody.innerHTML = renderMarkdown(m.reasoning);
@@ -326,6 +338,17 @@ function stop() {
 
 // -- wiring --------------------------------------------------------------------------------------
 
+ui.messages.addEventListener("click", async (e) => {
+  const button = e.target.closest("button.copy");
+  if (!button) return;
+  try {
+    await navigator.clipboard.writeText(button.parentElement.querySelector("code").textContent);
+    button.textContent = "Copied";
+  } catch (_) {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+});
 ui.composer.addEventListener("submit", (e) => { e.preventDefault(); send(); });
 ui.stop.addEventListener("click", stop);
 ui.prompt.addEventListener("keydown", (e) => {
