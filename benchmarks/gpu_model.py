@@ -59,7 +59,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter replaces the J
     sys.exit("run without TRITON_INTERPRET=1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# SLIPSTREAM_SRC: another checkout's tree (e.g. `git archive` of an older commit) to model its kernels
+sys.path.insert(0, os.environ.get("SLIPSTREAM_SRC", str(ROOT)))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import sass  # noqa: E402
@@ -92,7 +93,8 @@ class LoopCost:
     instructions: int
     barriers: int
     load_bytes_per_thread: int
-    in_flight: int                # chunks of loads in flight (2: loads carried to the next iteration)
+    in_flight: int                # chunks of weight loads in flight (2: carried to the next iteration)
+    act_in_flight: int = 2        # the same for the activation (.cg, L2) loads: 1 = an L2 round trip per step
 
     def seconds(self, warps: int, bytes_per_iter: float, bw_sm: float, latency_ns: float,
                 spill_bytes: int = 0) -> float:
@@ -100,13 +102,15 @@ class LoopCost:
         cyc += spill_bytes / 4 * HW.spill_cycles_per_4b if spill_bytes else 0.0
         issue = cyc / HW.clock_hz
         bw = min(bw_sm, HW.sm_bytes_per_cycle * HW.clock_hz)
-        return max(issue, bytes_per_iter / bw, (latency_ns * 1e-9 + issue) / self.in_flight)
+        l2_wait = HW.l2_ns * 1e-9 + issue if self.act_in_flight == 1 else 0.0
+        return max(issue, bytes_per_iter / bw, (latency_ns * 1e-9 + issue) / self.in_flight, l2_wait)
 
 
-def _in_flight(loop: sass.Loop) -> int:
-    """2 when no global load's result is read later in the same iteration (carried to the next)."""
+def _in_flight(loop: sass.Loop, strong: bool = False) -> int:
+    """2 when none of the loop's global loads (of weights; with `strong`, of activations: the `.cg`
+    loads, compiled as LDG.E...STRONG.GPU) is read later in the iteration that issues it."""
     import re
-    loads = [(k, i) for k, i in enumerate(loop.insts) if i.base == "LDG"]
+    loads = [(k, i) for k, i in enumerate(loop.insts) if i.base == "LDG" and ("STRONG" in i.opcode) == strong]
     if not loads:
         return 1
     for k, ld in loads:
@@ -116,6 +120,8 @@ def _in_flight(loop: sass.Loop) -> int:
         r0, n = int(m.group(1)), max(1, ld.load_bytes // 4)
         regs = {f"R{r0 + j}" for j in range(n)}
         for later in loop.insts[k + 1:]:
+            if later.base == "MOV" or later.opcode == "IMAD.MOV.U32":   # a loop-carried copy
+                continue
             srcs = later.operands.split(",")[1:] if later.base not in ("STG", "STS", "RED", "ST") else \
                 later.operands.split(",")
             if any(re.search(rf"\b{r}\b", s) for s in srcs for r in regs):
@@ -125,7 +131,7 @@ def _in_flight(loop: sass.Loop) -> int:
 
 def loop_cost(loop: sass.Loop) -> LoopCost:
     c = loop.counts
-    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], _in_flight(loop))
+    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], _in_flight(loop), _in_flight(loop, strong=True))
 
 
 # -- the megakernel ---------------------------------------------------------------------------------
@@ -149,7 +155,8 @@ def _op_branches(path: Path) -> tuple[dict[int, tuple[int, int]], list[str]]:
     return out, text.splitlines()
 
 
-KINDS = (("_rms_rstd(", "rstd"), ("_mv", "mv"), ("_prefetch_weights(", "prefetch"), ("BT_OFF", "attn"),
+KINDS = (("LMV_OFF", "argmax"), ("_rms_rstd(", "rstd"), ("_mv", "mv"), ("_prefetch_weights(", "prefetch"),
+         ("BT_OFF", "attn"),
          ("PM_OFF", "reduce"), ("LOGITS_OFF + b * V", "argmax"), ("ARGMAX", "argmax"), ("sync_ptr + wait_ev", "spin"))
 
 
@@ -163,6 +170,7 @@ class MegakernelCode:
 
 def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCode:
     from slipstream.runtime import megakernel as mk
+    from slipstream.runtime.megakernel import kernel_constants
     k = mk.compile_offline(plan, num_warps=num_warps, prefetch=prefetch)
     use = mk.resource_usage(k.asm["cubin"])
     text = sass.disassemble(k.asm["cubin"])
@@ -172,12 +180,23 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
         if not lp.innermost:
             continue
         lines = sorted(ln for f, ln in lp.lines() if f == "megakernel.py")
-        op = next((o for o, (a, b) in branches.items() if any(a <= ln <= b for ln in lines)), None)
-        body = "\n".join(src[ln - 1] for ln in lines if 0 < ln <= len(src))
-        kind = next((kd for key, kd in KINDS if key in body), "other")
-        if op is None:
-            continue
-        per_op.setdefault(op, []).append((kind, loop_cost(lp)))
+        # ptxas may merge identical tails of two branches: such a loop counts for each of them
+        ops = [o for o, (a, b) in branches.items() if any(a <= ln <= b for ln in lines)]
+        for op in ops:
+            a, b = branches[op]
+            body = "\n".join(src[ln - 1] for ln in lines if a <= ln <= b)
+            kind = next((kd for key, kd in KINDS if key in body), "other")
+            per_op.setdefault(op, []).append((kind, loop_cost(lp)))
+    consts = kernel_constants(plan)
+    for op, name in ((1, "QKV_ROPE"), (4, "O_PROJ"), (5, "GATE_UP"), (6, "DOWN"), (7, "LM_HEAD")):
+        if not any(kd == "mv" for kd, _ in per_op.get(op, [])):
+            # merged with a branch of the same tile and K-chunk: that branch's loop is this one's
+            twin = next((o for o, n in ((4, "O_PROJ"), (6, "DOWN")) if o != op and
+                         consts.get(BK_NAME[n]) == consts.get(BK_NAME[name]) and
+                         any(kd == "mv" for kd, _ in per_op.get(o, []))), None)
+            if twin is None:
+                raise RuntimeError(f"no matvec loop found for opcode {op} in the compiled megakernel")
+            per_op.setdefault(op, []).extend((kd, lc) for kd, lc in per_op[twin] if kd == "mv")
     return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps)
 
 
@@ -187,7 +206,7 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
     from slipstream.runtime.plan import Op
     op, t0, t1 = r[0], r[2], r[3]
     B, Hd, F, V = plan.batch, plan.hidden_size, plan.intermediate_size, plan.vocab_size
-    D, KVH, G = plan.head_dim, plan.num_kv_heads, plan.group
+    D, G = plan.head_dim, plan.group
     bk = consts["BLOCK_K"]
     warps = code.warps
     total, hbm = 0.0, 0.0
@@ -201,7 +220,7 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
             total += it * lc.seconds(warps, B * lc_block(consts, "rstd") * 4, bw_sm, HW.l2_ns, code.spill)
         elif kind == "mv":
             rows, K = rows_of[Op(op)], k_of[Op(op)]
-            bk_op = consts.get(f"BK_{Op(op).name}", bk)
+            bk_op = consts.get(BK_NAME[Op(op).name], bk)
             it = math.ceil(K / bk_op)
             share = rows / len(mv_loops) * (2 if Op(op) == Op.GATE_UP and len(mv_loops) == 1 else 1)
             nbytes = share * bk_op * 2
@@ -220,14 +239,17 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
             it = max(1, math.ceil(math.ceil(context / plan.tiles.partition) / consts["S_BLOCK"]))
             total += B * it * lc.seconds(warps, G * consts["S_BLOCK"] * 4, bw_sm, HW.l2_ns, code.spill)
         elif kind == "argmax":
-            n_items = V if consts.get("ARGMAX_ITEMS") is None else consts["ARGMAX_ITEMS"]
+            n_items = plan.lm_tiles if consts.get("LM_TILE") else V    # per-tile partials, or every logit
             it = math.ceil(n_items / consts["BLOCK_V"])
             total += B * it * lc.seconds(warps, consts["BLOCK_V"] * 4, bw_sm, HW.l2_ns, code.spill)
     return total, hbm
 
 
+BK_NAME = {"QKV_ROPE": "BK_QKV", "O_PROJ": "BK_O", "GATE_UP": "BK_GU", "DOWN": "BK_DOWN", "LM_HEAD": "BK_LM"}
+
+
 def lc_block(consts: dict[str, int], kind: str) -> int:
-    return consts.get("BLOCK_K_STATS", consts["BLOCK_K"]) if kind == "rstd" else consts["BLOCK_K"]
+    return consts.get("BLOCK_S", consts["BLOCK_K"]) if kind == "rstd" else consts["BLOCK_K"]
 
 
 def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int = 0,
@@ -241,7 +263,6 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     for r in rows:
         phase[(r[0], r[1])] = phase.get((r[0], r[1]), 0) + 1
     P = HW.sms * programs_per_sm
-    free = [0.0] * P
     ev_count = [0] * plan.num_events
     ev_time = [0.0] * plan.num_events
     overhead = (2 * HW.atomic_ns + HW.l2_ns) * 1e-9      # ticket, task row, the satisfied poll
@@ -323,7 +344,7 @@ def _iterations(launch, context: int) -> tuple[int, float]:
     """(iterations of the kernel's main loop per program, HBM bytes per program) from its arguments."""
     name, a, kw = launch.kernel, launch.args, launch.kwargs
     if name.endswith("_matvec_kernel"):
-        x, w = a[0], a[1]
+        w = a[1]
         K, k_split = a[9], a[12]
         rows = kw["BLOCK_N"] * (2 if kw["GLU"] else 1)
         it = math.ceil(min(k_split, K) / kw["BLOCK_K"])
@@ -375,12 +396,16 @@ def model_graph(cfg, batch: int, context: int) -> dict[str, Any]:
             "per_kernel_us": {k: round(v * 1e6, 1) for k, v in per_kernel.items()}}
 
 
-def model(shape: str, batch: int, context: int = 512, programs_per_sm: int = 1, prefetch: int = 0) -> dict:
+def model(shape: str, batch: int, context: int = 512, programs_per_sm: int = 1, prefetch: int = 0,
+          fill: bool = True) -> dict:
     from slipstream.models.random_init import shape_config
     from slipstream.runtime.megakernel import default_tiles
     from slipstream.runtime.plan import WeightLayout, compile_plan
     cfg = shape_config(shape)
-    tiles = default_tiles(cfg, context, HW.sms * programs_per_sm)
+    try:
+        tiles = default_tiles(cfg, context, HW.sms * programs_per_sm, fill=fill)
+    except TypeError:     # an older tree (SLIPSTREAM_SRC) without the fill option
+        tiles = default_tiles(cfg, context, HW.sms * programs_per_sm)
     plan = compile_plan(cfg, batch, context, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings), tiles)
     roof_s = roofline_bytes(plan, context) / HW.copy_bw
     g = model_graph(cfg, batch, context)
@@ -403,6 +428,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--programs-per-sm", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=0)
+    ap.add_argument("--no-fill", action="store_true", help="the plan's base tiles (phases may have < SMs tasks)")
     ap.add_argument("--verbose", action="store_true", help="per-kernel and per-loop detail")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     a = ap.parse_args()
@@ -414,7 +440,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for sh in shapes:
         for b in batches:
-            r = model(sh, b, a.context, a.programs_per_sm, a.prefetch)
+            r = model(sh, b, a.context, a.programs_per_sm, a.prefetch, not a.no_fill)
             results.append(r)
             print(f"| {sh} | {b} | {r['roofline_us']} | {r['graph_us']} | {r['graph_pct_roofline']} | "
                   f"{r['megakernel_us']} | {r['megakernel_pct_roofline']} | {r['megakernel_vs_graph']}x |",

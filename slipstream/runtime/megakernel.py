@@ -21,6 +21,7 @@ task table and the buffers.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,13 @@ class MegakernelError(RuntimeError):
 
 
 @triton.jit
-def _rms_rstd(x_base, offs_b, b_mask, K, eps, BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr,
+def _rms_rstd(x_base, offs_b, b_mask, K, eps, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
               ROW_STRIDE):
-    """1 / rms of each of the B rows of x ([B, K] at x_base with row stride ROW_STRIDE)."""
+    """1 / rms of each of the B rows of x ([B, K] at x_base with row stride ROW_STRIDE), read in chunks
+    of BLOCK_S columns (the whole row at once at batch 1: one L2 round trip, not one per K-chunk)."""
     ss = tl.zeros((BLOCK_B,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_S):
+        offs_k = k0 + tl.arange(0, BLOCK_S)
         x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
                     mask=b_mask[:, None] & (offs_k < K)[None, :], other=0.0, cache_modifier=".cg")
         ss += tl.sum(x * x, axis=1)
@@ -66,25 +68,59 @@ def _rms_rstd(x_base, offs_b, b_mask, K, eps, BLOCK_K: tl.constexpr, BLOCK_B: tl
 
 
 @triton.jit
-def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row0, row_end, K,
-             NORM: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr):
-    """acc[b, j] = sum_k xin[b, k] * W[row0 + j, k] for rows row0 + j < row_end, where
-    xin = x * rstd * norm_weight when NORM (the fused RMSNorm), else x. Float32 accumulation."""
-    rows = row0 + tl.arange(0, TILE).to(tl.int64)
-    r_mask = rows < row_end
-    acc = tl.zeros((BLOCK_B, TILE), tl.float32)
+def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+             NORM: tl.constexpr, TWO: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_B: tl.constexpr):
+    """(acc_a, acc_b): acc_a[b, j] = sum_k xin[b, k] * W[row_a + j, k] for j < n_rows, and acc_b the
+    same at row_b when TWO (gate and up, or the two RoPE halves: both tiles' loads issued together);
+    xin = x * rstd * norm_weight when NORM (the fused RMSNorm), else x. Float32 accumulation.
+
+    Built for the compiled loop: every operand is a [BLOCK_B, TILE, BLOCK_K] tensor of one layout (no
+    layout conversion, so no shared-memory round trip or barrier per K-step), products accumulate
+    element-wise and are reduced over K once after the loop (no shuffles per K-step), and the next
+    K-chunk of weights is loaded before the current one is used (two chunks in flight)."""
+    j = tl.arange(0, TILE)[None, :, None]
+    kk = tl.arange(0, BLOCK_K)[None, None, :]
+    b3 = offs_b[:, None, None]
+    bm3 = b_mask[:, None, None]
+    r_mask = j < n_rows
+    pa = w_ptr + (row_a + j).to(tl.int64) * K + kk
+    pb = w_ptr + (row_b + j).to(tl.int64) * K + kk
+    # batch >= 4: reduce over K every step (a [B, TILE, BLOCK_K] accumulator would spill there)
+    EACH: tl.constexpr = BLOCK_B >= 4
+    ACC_K: tl.constexpr = 1 if EACH else BLOCK_K
+    acc_a = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
+    acc_b = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
+    wa = tl.load(pa, mask=r_mask & (kk < K), other=0.0)
+    wb = wa
+    if TWO:
+        wb = tl.load(pb, mask=r_mask & (kk < K), other=0.0)
+    x = tl.load(x_base + b3 * ROW_STRIDE + kk, mask=bm3 & (kk < K), other=0.0, cache_modifier=".cg")
+    nw = tl.load(nw_ptr + kk, mask=(kk < K) & NORM, other=0.0)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
-                    mask=b_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        nxt = k0 + BLOCK_K + kk          # the next chunk's loads go out before this chunk is used
+        km = nxt < K
+        wa_next = tl.load(pa + k0 + BLOCK_K, mask=r_mask & km, other=0.0)
+        x_next = tl.load(x_base + b3 * ROW_STRIDE + nxt, mask=bm3 & km, other=0.0, cache_modifier=".cg")
+        nw_next = tl.load(nw_ptr + nxt, mask=km & NORM, other=0.0)
+        xin = x
         if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = x * rstd[:, None] * nw[None, :]
-        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    return acc
+            xin = x * rstd[:, None, None] * nw.to(tl.float32)
+        if EACH:
+            acc_a += tl.sum(xin * wa.to(tl.float32), axis=2, keep_dims=True)
+        else:
+            acc_a += xin * wa.to(tl.float32)
+        wa = wa_next
+        if TWO:
+            wb_next = tl.load(pb + k0 + BLOCK_K, mask=r_mask & km, other=0.0)
+            if EACH:
+                acc_b += tl.sum(xin * wb.to(tl.float32), axis=2, keep_dims=True)
+            else:
+                acc_b += xin * wb.to(tl.float32)
+            wb = wb_next
+        x = x_next
+        nw = nw_next
+    return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
 
 
 @triton.jit
@@ -118,14 +154,17 @@ def _prefetch_weights(w_base, op, t0, t1, Hd, F, error_ptr, HD: tl.constexpr, D:
 def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, prof_ptr,
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
                 B, num_slots, eps, scale,
-                X_OFF, Q_OFF, PACC_OFF, PM_OFF, PL_OFF, ATTN_OFF, ACT_OFF, LOGITS_OFF,
+                X_OFF, Q_OFF, PACC_OFF, PM_OFF, PL_OFF, ATTN_OFF, ACT_OFF, LOGITS_OFF, LMV_OFF, LMI_OFF, NLM,
                 TOK_OFF, POS_OFF, SLOT_OFF, CTX_OFF, BT_OFF, NEXT_OFF,
                 Hd, F, V, S, MAX_BLOCKS,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                 S_BLOCK: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, PROFILE: tl.constexpr,
+                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BK_QKV: tl.constexpr,
+                BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BK_LM: tl.constexpr,
+                LM_TILE: tl.constexpr,
+                PROFILE: tl.constexpr,
                 PREFETCH: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
@@ -176,7 +215,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 err = 0
                 while (seen < target) & (spins < max_spins) & (err == 0):
                     seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
-                    err = tl.atomic_add(error_ptr, 0)
+                    if (spins & 63) == 63:   # another program's failure: checked rarely (an L2 atomic each)
+                        err = tl.atomic_add(error_ptr, 0)
                     spins += 1
                 if seen < target:
                     tl.atomic_cas(error_ptr, 0, (i + 1).to(tl.int32))   # the first failure is the cause
@@ -194,12 +234,10 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     e = tl.load(w_base + tok[:, None] * Hd + cols[None, :], mask=m2, other=0.0)
                     tl.store(x_base + offs_b[:, None] * Hd + cols[None, :], e.to(tl.float32), mask=m2)
                 elif op == 1:   # QKV_ROPE: one head of the fused norm + QKV product, rotated, stored
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
                     r0 = t0 * D
-                    y1 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF, Hd,
-                                  True, HALF, BLOCK_K, BLOCK_B)
-                    y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0 + HALF, r0 + D, Hd,
-                                  True, HALF, BLOCK_K, BLOCK_B)
+                    y1, y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF, HALF,
+                                      Hd, True, True, HALF, BK_QKV, BLOCK_B)
                     slot = tl.load(I_ptr + SLOT_OFF + offs_b, mask=b_mask, other=-1)
                     if t0 < H + KVH:
                         pos = tl.load(I_ptr + POS_OFF + offs_b, mask=b_mask, other=0).to(tl.float32)
@@ -286,45 +324,52 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                         tl.store(A_ptr + ATTN_OFF + (b * H + heads)[:, None] * D + offs_d[None, :], num / d[:, None],
                                  mask=g_mask[:, None])
                 elif op == 4:   # O_PROJ: x[:, t0:t1] += attn @ Wo[t0:t1]^T
-                    acc = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t1, H * D,
-                                   False, T_O, BLOCK_K, BLOCK_B)
+                    acc, _ = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t0,
+                                      t1 - t0, H * D, False, False, T_O, BK_O, BLOCK_B)
                     cols = t0 + tl.arange(0, T_O)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     dst = x_base + offs_b[:, None] * Hd + cols[None, :]
                     tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
                 elif op == 5:   # GATE_UP: act[:, t0:t1] = silu(g) * u of the fused norm + gate/up product
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
-                    g = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t1, Hd,
-                                 True, T_GU, BLOCK_K, BLOCK_B)
-                    u = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, F + t0, F + t1, Hd,
-                                 True, T_GU, BLOCK_K, BLOCK_B)
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
+                    g, u = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, F + t0, t1 - t0, Hd,
+                                    True, True, T_GU, BK_GU, BLOCK_B)
                     cols = t0 + tl.arange(0, T_GU)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     tl.store(A_ptr + ACT_OFF + offs_b[:, None] * F + cols[None, :], g / (1.0 + tl.exp(-g)) * u, mask=m2)
                 elif op == 6:   # DOWN: x[:, t0:t1] += act @ Wdown[t0:t1]^T
-                    acc = _mv_tile(A_ptr + ACT_OFF, F, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t1, F,
-                                   False, T_DOWN, BLOCK_K, BLOCK_B)
+                    acc, _ = _mv_tile(A_ptr + ACT_OFF, F, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t0, t1 - t0, F,
+                                      False, False, T_DOWN, BK_DOWN, BLOCK_B)
                     cols = t0 + tl.arange(0, T_DOWN)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     dst = x_base + offs_b[:, None] * Hd + cols[None, :]
                     tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
                 elif op == 7:   # LM_HEAD: logits[:, t0:t1] of the fused final norm + LM head
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_K, BLOCK_B, Hd)
-                    acc = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t1, Hd,
-                                   True, T_LM, BLOCK_K, BLOCK_B)
+                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
+                    acc, _ = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t0, t1 - t0, Hd,
+                                      True, False, T_LM, BK_LM, BLOCK_B)
                     cols = t0 + tl.arange(0, T_LM)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     tl.store(A_ptr + LOGITS_OFF + offs_b[:, None] * V + cols[None, :], acc, mask=m2)
-                else:           # ARGMAX: next_tokens[b] = first index of the largest logit
+                    # this tile's (max, first index) per row: ARGMAX reduces NLM partials, not V logits
+                    vals = tl.where(m2, acc, float("-inf"))
+                    tmax = tl.max(vals, axis=1)
+                    tidx = tl.min(tl.where(vals == tmax[:, None], cols[None, :], V), axis=1)
+                    part = offs_b * NLM + t0 // LM_TILE
+                    tl.store(A_ptr + LMV_OFF + part, tmax, mask=b_mask)
+                    tl.store(A_ptr + LMI_OFF + part, tidx.to(tl.float32), mask=b_mask)
+                else:           # ARGMAX: next_tokens[b] = the best LM-head tile partial (lowest index on ties)
                     for b in range(0, B):
                         best = tl.full((1,), float("-inf"), tl.float32)
                         best_i = tl.zeros((1,), tl.int64)
-                        for v0 in range(0, V, BLOCK_V):
+                        for v0 in range(0, NLM, BLOCK_V):
                             offs_v = v0 + tl.arange(0, BLOCK_V)
-                            lg = tl.load(A_ptr + LOGITS_OFF + b * V + offs_v, mask=offs_v < V,
+                            lg = tl.load(A_ptr + LMV_OFF + b * NLM + offs_v, mask=offs_v < NLM,
                                          other=float("-inf"), cache_modifier=".cg")
+                            li = tl.load(A_ptr + LMI_OFF + b * NLM + offs_v, mask=offs_v < NLM,
+                                         other=0.0, cache_modifier=".cg")
                             cmax = tl.max(lg, axis=0)
-                            cidx = tl.min(tl.where(lg == cmax, offs_v, V), axis=0).to(tl.int64)
+                            cidx = tl.min(tl.where(lg == cmax, li, V), axis=0).to(tl.int64)
                             better = cmax > best
                             best_i = tl.where(better, cidx, best_i)
                             best = tl.where(better, cmax, best)
@@ -417,22 +462,38 @@ def scalar_args(p: Plan, num_slots: int, epoch: int = 1, max_spins: int = 1 << 2
     return dict(num_tasks=p.num_tasks, num_events=p.num_events, epoch=epoch, max_spins=max_spins,
                 B=p.batch, num_slots=num_slots, eps=float(p.rms_norm_eps), scale=1.0 / math.sqrt(p.head_dim),
                 X_OFF=a.x, Q_OFF=a.q, PACC_OFF=a.part_acc, PM_OFF=a.part_m, PL_OFF=a.part_l, ATTN_OFF=a.attn,
-                ACT_OFF=a.act, LOGITS_OFF=a.logits, TOK_OFF=n.tokens, POS_OFF=n.positions, SLOT_OFF=n.write_slots,
+                ACT_OFF=a.act, LOGITS_OFF=a.logits, LMV_OFF=a.lm_max, LMI_OFF=a.lm_idx, NLM=p.lm_tiles,
+                TOK_OFF=n.tokens, POS_OFF=n.positions, SLOT_OFF=n.write_slots,
                 CTX_OFF=n.context_lens, BT_OFF=n.block_tables, NEXT_OFF=n.next_tokens,
                 Hd=p.hidden_size, F=p.intermediate_size, V=p.vocab_size, S=p.splits, MAX_BLOCKS=p.max_blocks)
 
 
 def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
     """The compile-time constants of the kernel for a plan (one specialisation per model and bucket).
-    block_k: the K-chunk of the matvec tiles; by default wide at batch 1-2 (more bytes in flight
-    per program) and narrower above, where the [batch, tile, K-chunk] product would spill."""
+    The K-chunk of each matvec (BK_*) keeps its [batch, tile, K-chunk] accumulator at ACC_ELEMENTS
+    (16 float32 registers per thread at 8 warps): wide chunks at batch 1 (more bytes in flight per
+    program), narrower at batch 8 where a wider one would spill. `block_k` forces one chunk for all."""
     t = p.tiles
-    block_k = block_k or (128 if p.batch <= 2 else 64)
+    B = _pow2(p.batch)
+    Hd, F, HD = p.hidden_size, p.intermediate_size, p.num_heads * p.head_dim
+
+    def bk(tile: int, k: int) -> int:
+        if block_k:
+            return block_k
+        if B >= 4:    # per-step reduction (see _mv_tile): the old chunk
+            return 128 if p.batch <= 2 else 64
+        return max(MIN_BK, min(ACC_ELEMENTS // (B * _pow2(tile)), 512, _pow2(k)))
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
                 S_BLOCK=min(max(_pow2(p.splits), 2), 16), P=t.partition, BLOCK_SIZE=p.block_size,
-                BLOCK_B=_pow2(p.batch), BLOCK_K=block_k, BLOCK_T=16,
+                BLOCK_B=B, BLOCK_K=block_k or (128 if p.batch <= 2 else 64), BLOCK_T=min(_pow2(t.partition), 64),
                 T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
-                T_LM=_pow2(t.lm_head), BLOCK_V=1024)
+                T_LM=_pow2(t.lm_head), BLOCK_V=1024, BLOCK_S=min(_pow2(Hd), max(8192 // B, 16)),
+                BK_QKV=bk(p.head_dim // 2, Hd), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd), BK_DOWN=bk(t.down, F),
+                BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head)
+
+
+ACC_ELEMENTS = 4096
+MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 
 
 def profile_summary(plan: Plan, prof: torch.Tensor) -> dict:
@@ -520,9 +581,25 @@ def check(s: _Static) -> None:
                           f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
 
 
-def default_tiles(cfg, max_context: int, num_programs: int) -> TileConfig:
-    """The plan's tiles for a context bucket on `num_programs` programs."""
-    return TileConfig()
+def default_tiles(cfg, max_context: int, num_programs: int, fill: bool = True) -> TileConfig:
+    """The plan's tiles for a context bucket on `num_programs` programs. With `fill`, every phase that
+    can has at least `num_programs` tasks: O and DOWN rows per task cut to hidden / programs (a power
+    of two, at least 8), and attention partitions (a power of two, at least 16 tokens) short enough
+    that kv heads x splits of the bucket's context reach the program count."""
+    base = TileConfig()
+    if not fill:
+        return base
+
+    def floor2(n: float, lo: int) -> int:
+        p = lo
+        while p * 2 <= n:
+            p *= 2
+        return p
+    rows = floor2(cfg.hidden_size / num_programs, 8)
+    part = 16
+    while cfg.num_kv_heads * -(-max_context // (part * 2)) >= num_programs:
+        part *= 2
+    return dataclasses.replace(base, o=min(base.o, rows), down=min(base.down, rows), partition=part)
 
 
 MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it

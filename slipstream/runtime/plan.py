@@ -147,15 +147,18 @@ class ActLayout:
     attn: int       # [B, H*D] attention output
     act: int        # [B, F] SwiGLU output
     logits: int     # [B, V]
+    lm_max: int     # [B, LM tiles] each LM-head tile's largest logit per row (ARGMAX reduces these)
+    lm_idx: int     # [B, LM tiles] its first index (exact in float32: vocabularies < 2^24)
     total: int
 
     @classmethod
     def build(cls, batch: int, hidden: int, heads: int, head_dim: int, splits: int, ffn: int,
-              vocab: int) -> "ActLayout":
+              vocab: int, lm_tiles: int = 1) -> "ActLayout":
         B, H, D, S = batch, heads, head_dim, splits
         offsets, total = _regions([("x", B * hidden), ("q", B * H * D), ("part_acc", B * H * S * D),
                                    ("part_m", B * H * S), ("part_l", B * H * S), ("attn", B * H * D),
-                                   ("act", B * ffn), ("logits", B * vocab)])
+                                   ("act", B * ffn), ("logits", B * vocab), ("lm_max", B * lm_tiles),
+                                   ("lm_idx", B * lm_tiles)])
         return cls(**offsets, total=total)
 
 
@@ -204,13 +207,18 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.acts = ActLayout.build(self.batch, self.hidden_size, self.num_heads, self.head_dim, self.splits,
-                                    self.intermediate_size, self.vocab_size)
+                                    self.intermediate_size, self.vocab_size, self.lm_tiles)
         self.ints = IntLayout.build(self.batch, self.max_blocks)
 
     @property
     def group(self) -> int:
         """G: query heads per kv head."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def lm_tiles(self) -> int:
+        """LM-head tasks: each leaves its tile's (max, first index) per row for ARGMAX."""
+        return cdiv(self.vocab_size, self.tiles.lm_head)
 
     @property
     def num_tasks(self) -> int:
@@ -715,14 +723,14 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
     if op == Op.DOWN:
         return [(("act",), 0, F), (x, t0, t1)], [(x, t0, t1)]
     if op == Op.LM_HEAD:
-        return [(x, 0, Hd)], [(("logits",), t0, t1)]
-    return [(("logits",), 0, V)], [(("next_tokens",), 0, 1)]
+        return [(x, 0, Hd)], [(("logits",), t0, t1), (("lm_part",), t0, t1)]
+    return [(("lm_part",), 0, V)], [(("next_tokens",), 0, 1)]
 
 
 def _region_size(plan: Plan, key: tuple) -> int:
     return {"x": plan.hidden_size, "q": plan.num_heads, "k": plan.num_kv_heads, "v": plan.num_kv_heads,
             "part": plan.num_kv_heads * plan.splits, "attn": plan.num_heads, "act": plan.intermediate_size,
-            "logits": plan.vocab_size, "next_tokens": 1}[key[0]]
+            "logits": plan.vocab_size, "lm_part": plan.vocab_size, "next_tokens": 1}[key[0]]
 
 
 def _region_text(key: tuple, lo: int, hi: int) -> str:

@@ -55,6 +55,8 @@ class _Views:
         self.attn = A[a.attn:a.attn + B * H * D].view(B, H * D)
         self.act = A[a.act:a.act + B * plan.intermediate_size].view(B, plan.intermediate_size)
         self.logits = A[a.logits:a.logits + B * plan.vocab_size].view(B, plan.vocab_size)
+        self.lm_max = A[a.lm_max:a.lm_max + B * plan.lm_tiles].view(B, plan.lm_tiles)
+        self.lm_idx = A[a.lm_idx:a.lm_idx + B * plan.lm_tiles].view(B, plan.lm_tiles)
         self.tokens = I[n.tokens:n.tokens + B]
         self.positions = I[n.positions:n.positions + B]
         self.write_slots = I[n.write_slots:n.write_slots + B]
@@ -171,10 +173,17 @@ def _lm_head(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) ->
     p = m.plan
     wlm = m.matrix(w_off, p.vocab_size, p.hidden_size)[t0:t1].float()
     m.logits[:, t0:t1] = m.normed_x(n_off) @ wlm.T
+    j = t0 // p.tiles.lm_head
+    best = m.logits[:, t0:t1].max(-1)     # torch returns the first maximal index
+    m.lm_max[:, j] = best.values
+    m.lm_idx[:, j] = (best.indices + t0).float()
 
 
 def _argmax(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
-    m.next_tokens.copy_(m.logits.argmax(-1))   # torch returns the first maximal index
+    """The best of the LM-head tiles' partials: the largest value, the lowest index among ties."""
+    top = m.lm_max.max(-1, keepdim=True).values
+    idx = torch.where(m.lm_max == top, m.lm_idx, torch.full_like(m.lm_idx, float(m.plan.vocab_size)))
+    m.next_tokens.copy_(idx.min(-1).values.long())
 
 
 _EXEC: dict[Op, Callable[..., None]] = {

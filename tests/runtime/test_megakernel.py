@@ -125,37 +125,54 @@ def test_unsupported_models_are_refused():
         MegakernelDecoder(model, model.new_kv_cache(8, BLOCK), max_batch=1, max_context=16)
 
 
-@pytest.mark.parametrize("shape,batch,profile", [("dense-1B", 1, True), ("dense-8B", 8, False)])
+@pytest.mark.parametrize("shape,batch,profile", [
+    pytest.param("dense-1B", 1, True, marks=pytest.mark.xfail(
+        strict=True, reason="the 8-row O/DOWN tiles that fill 132 SMs still convert layouts (4 barriers per "
+                            "K step); the QKV, gate/up and LM-head loops have none: issue 18, open")),
+    pytest.param("dense-1B", 8, False, marks=pytest.mark.xfail(
+        strict=True, reason="at batch 8 the 8-row O/DOWN loop loads 12 bytes per thread, not 16, and reduces "
+                            "over K every step (2 barriers, 40 shuffles): issue 18, open")),
+    pytest.param("dense-8B", 8, False, marks=pytest.mark.xfail(
+        strict=True, reason="spills ~336 bytes at 8B batch 8 (the [8, 64, 64] QKV products): issue 18, open")),
+])
 def test_megakernel_compiles_for_hopper(shape, batch, profile):
-    prefetch = int(profile)   # the profiled variant also carries the L2 prefetch
-    """Triton's ahead-of-time compiler, targeting sm_90, on the benchmark shapes (no GPU needed).
+    """Triton's ahead-of-time compiler, targeting sm_90a, on the benchmark shapes (no GPU needed); a
+    ptxas error fails. Spill stack <= 64 bytes; every matvec call site's K loop loads its weights 16
+    bytes at a time and, at batch 1-2, holds no barrier (no layout conversion through shared memory).
     In a subprocess: this process runs Triton's interpreter, which replaces the JIT functions."""
+    prefetch = int(profile)   # the profiled variant also carries the L2 prefetch
     code = f"""
-import sys
+import ast, sys
+sys.path.insert(0, "benchmarks")
+import sass
 from slipstream.models.random_init import shape_config
-from slipstream.runtime.megakernel import compile_offline, resource_usage
-from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan
+from slipstream.runtime import megakernel as mk
+from slipstream.runtime.plan import WeightLayout, compile_plan
 cfg = shape_config({shape!r})
-plan = compile_plan(cfg, {batch}, 512, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings), TileConfig())
-try:
-    kernel = compile_offline(plan, profile={profile}, prefetch={prefetch})
-    ptx = kernel.asm["ptx"]
-except RuntimeError as e:
-    if "ptxas" in str(e):
-        print("SKIP", e)
-        sys.exit(0)
-    raise
+plan = compile_plan(cfg, {batch}, 512, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings),
+                    mk.default_tiles(cfg, 512, 132))
+kernel = mk.compile_offline(plan, profile={profile}, prefetch={prefetch})
+ptx = kernel.asm["ptx"]
 assert ("globaltimer" in ptx) == {profile}
-use = resource_usage(kernel.asm["cubin"])
-# one program per SM holds every opcode's registers: a large spill stack means slow local memory
-assert use["stack"] <= 256, use
-# aligned weight offsets (WeightLayout) + multiple_of hints: 16-byte vector loads of the weights
-assert ptx.count("ld.global.v4") >= 8, ptx.count("ld.global.v4")
+use = mk.resource_usage(kernel.asm["cubin"])
+assert use["stack"] <= 64, use
+src = open(mk.__file__).read().splitlines()
+calls = {{i + 1 for i, t in enumerate(src) if "_mv_tile(" in t and "def " not in t}}
+seen = set()
+for lp in sass.loops(sass.disassemble(kernel.asm["cubin"])):
+    lines = {{ln for f, ln in lp.lines() if f == "megakernel.py"}} & calls
+    if not lp.innermost or not lines:
+        continue
+    seen |= lines
+    assert lp.counts["LDG16"] >= 1, (sorted(lines), lp.summary())
+    if {batch} <= 2:
+        assert lp.counts["BAR"] == 0 and lp.counts["SHFL"] == 0, (sorted(lines), lp.summary())
+# every call site has its loop (ptxas may merge two identical ones: O and DOWN share a tile shape)
+assert len(seen) >= len(calls) - 1, (sorted(seen), sorted(calls))
 print("entry" if ".entry _megakernel" in ptx else "no entry")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    if out.stdout.startswith("SKIP"):
-        pytest.skip(out.stdout)
     assert out.stdout.strip().endswith("entry") and "no entry" not in out.stdout
