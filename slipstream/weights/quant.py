@@ -202,7 +202,12 @@ class Linear:
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
         if self.raw or self.parts:   # through the step's row kernels (exact: fp32 activations)
-            lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
+            if not accumulate:
+                lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
+                return
+            y = torch.empty(rows, self.n, dtype=torch.float32)
+            lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, y.data_ptr(), 1)
+            lib.ss_add_rows(out_ptr, y.data_ptr(), rows * self.n)
             return
         if self.fmt == Q8_0:
             lib.q8_matvec(x_ptr, rows, self.k, self.data.data_ptr(), self.scale.data_ptr(), self.n,

@@ -98,6 +98,9 @@ def test_native_products(qt: QT, rows: int) -> None:
     fast = native_product(w, x, exact=False)   # int8 activations: a quantization-sized error
     assert torch.allclose(fast.double(), ref, rtol=0, atol=0.03 * scale)
     assert torch.allclose(w(x).double(), ref, rtol=1e-4, atol=1e-4 * scale)   # the Linear's own call
+    res = torch.randn(rows, n)
+    got = w(x, out=res.clone(), accumulate=True)   # a residual add
+    assert torch.allclose(got.double(), ref + res.double(), rtol=1e-4, atol=1e-4 * scale)
 
 
 def test_stacked_parts_of_different_types() -> None:
@@ -119,4 +122,6 @@ def test_stacked_parts_of_different_types() -> None:
         got = native_product(w, x, exact)
         assert torch.allclose(got.double(), ref, rtol=0, atol=(1e-4 if exact else 0.03) * scale)
     assert torch.allclose(w(x).double(), ref, rtol=0, atol=1e-4 * scale)
+    res = torch.randn(2, w.n)
+    assert torch.allclose(w(x, out=res.clone(), accumulate=True).double(), ref + res.double(), atol=1e-4 * scale)
     assert w.format_name == "Q4_K+Q6_K+F32"

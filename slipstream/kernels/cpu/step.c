@@ -535,6 +535,11 @@ void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *ou
     for (int n = n0; n < n1; n++) qt_dequant_row(qtype, w + n * row_bytes, K, out + (int64_t)(n - n0) * K);
 }
 
+// out[i] += y[i] (a product accumulated into a residual)
+void ss_add_rows(float *out, const float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] += y[i];
+}
+
 // q[B][K] int8, d and s [B][K/32]: the fast path's activation quantization
 void ss_quantize(const float *x, int B, int K, int8_t *q, float *d, float *s) {
     for (int b = 0; b < B; b++)
