@@ -323,6 +323,12 @@ def test_api_key_is_asked_for_and_kept(browser, keyed_fake_server, tmp_path, cap
         page.reload()
         page.wait_for_function("(m) => document.getElementById('model').textContent === m", arg=model)
         assert page.is_hidden("#key-dialog")
+        # forgotten, it is asked for again
+        page.click("#toggle-settings")
+        page.click("#forget-key")
+        assert page.evaluate("localStorage.getItem('slipstream.chat.apiKey')") is None
+        page.reload()
+        page.wait_for_selector("#key-dialog[open]")
     finally:
         context.close()
 
