@@ -207,6 +207,7 @@ def test_chat_streams_an_answer_with_its_speed(page, server, tmp_path, capsys):
 
     answer = _last_answer(page)
     # the streamed text, assembled by the page, is the server's own greedy answer to the same request
+    # (the session server runs --exact: its greedy tokens do not depend on the prefix cache the repeat hits)
     with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
         ref = client.chat.completions.create(model=model, max_tokens=24, temperature=0, messages=[
             {"role": "system", "content": "You are a terse assistant."},
