@@ -106,6 +106,31 @@ def request_record(r: RequestResult, t0: float, keep_text: bool) -> dict[str, An
     return rec
 
 
+PREFIX_COUNTERS = ("slipstream_prefix_cache_queries_total", "slipstream_prefix_cache_hits_total")
+
+
+async def prefix_counters(client: httpx.AsyncClient, target: Target) -> tuple[float, float] | None:
+    """(prompt tokens looked up, tokens found) in the target's prefix cache, from its Prometheus
+    /metrics (the totals over all replicas behind `serve --replicas`); None when it has no such metrics."""
+    try:
+        r = await client.get(target.base_url + "/metrics", headers=target.headers(), timeout=30)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    found: dict[str, float] = {}
+    for line in r.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in PREFIX_COUNTERS:
+            try:
+                found[name] = float(value)
+            except ValueError:
+                return None
+    if len(found) != len(PREFIX_COUNTERS):
+        return None
+    return found[PREFIX_COUNTERS[0]], found[PREFIX_COUNTERS[1]]
+
+
 def point_label(point: dict[str, Any], mode: str) -> str:
     if "concurrency" in point:
         return f"concurrency={point['concurrency']}"
@@ -122,6 +147,7 @@ async def run_point(client: httpx.AsyncClient, sess: TargetSession, spec: Scenar
     if spec.mode == "conversation":
         label = f"{len(prompts)} rounds"
     update, close = _progress(len(prompts), f"{target.label} {spec.name} {label}", opts.progress)
+    prefix_before = await prefix_counters(client, target)
     t_start = time.perf_counter()
     sent: list[Prompt] = list(prompts)
 
@@ -158,6 +184,10 @@ async def run_point(client: httpx.AsyncClient, sess: TargetSession, spec: Scenar
         warnings.append(f"{target.label} {spec.name} {label}: {early} request(s) stopped before max_tokens "
                         "although a fixed length was asked for (the server does not honour ignore_eos/min_tokens)")
     summary = summarize(results, duration, opts.slo or None)
+    prefix_after = await prefix_counters(client, target) if prefix_before is not None else None
+    if prefix_before is not None and prefix_after is not None and prefix_after[0] > prefix_before[0]:
+        queried, hits = prefix_after[0] - prefix_before[0], prefix_after[1] - prefix_before[1]
+        summary["prefix_cache"] = {"queried_tokens": queried, "hit_tokens": hits, "hit_rate": hits / queried}
     keep_text = opts.keep_text and spec.mode != "serving"
     return {"label": label, **point, "summary": summary, "headline": headline(summary), "warnings": warnings,
             "requests": [request_record(r, t_start, keep_text) for r in results]}
@@ -193,10 +223,12 @@ async def run_target(target: Target, specs: list[ScenarioSpec], opts: RunOptions
                 else:
                     rec = await run_point(client, sess, spec, point, prompts, opts)
                 h = rec["headline"]
+                pc = rec["summary"].get("prefix_cache")
                 log(f"{target.label:>12} {spec.name:<12} {rec['label']:<16} "
                     f"{h['completed']} ok, {h['failed']} failed, "
                     f"{_fmt(h['avg_output_speed_tok_s'])} tok/s per request, TTFT {_fmt(h['mean_ttft_ms'])} ms, "
-                    f"{_fmt(h['output_throughput'])} output tok/s")
+                    f"{_fmt(h['output_throughput'])} output tok/s"
+                    + (f", prefix-cache hits {100 * pc['hit_rate']:.1f}%" if pc else ""))
                 points.append(rec)
             out["scenarios"][spec.name] = {"scenario": spec.name, "mode": spec.mode, "config": cfg, "points": points}
         return out
