@@ -41,3 +41,30 @@ def engine(llm, **kw):
     kw.setdefault("kv_cache_tokens", 2048)
     kw.setdefault("exact", llm.engine_config.exact)   # the LLM's CPU path (fast or exact)
     return Engine(llm.model, llm.tokenizer, EngineConfig(**kw))
+
+
+# byte offsets of each ggml block type's fp16 scale fields, and the largest |code x sub-scale| a
+# random block can hold (to choose scales that give weights of a wanted size)
+_F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 20: (0,), 10: (80, 82), 11: (108,),
+               12: (0, 2), 13: (0, 2), 14: (208,), 23: (0,)}
+_CODE_RANGE = {2: 8, 3: 15, 6: 16, 7: 31, 8: 127, 20: 127, 10: 45, 11: 128, 12: 945, 13: 1953, 14: 4064, 23: 4064}
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
+    """[n, row bytes] uint8: valid ggml blocks of `qtype` built by hand (random codes and scale
+    bytes, random sane fp16 scales), for the types gguf-py cannot quantize. With `size`, weights are
+    of about that magnitude (the offsets of types with a minimum too)."""
+    import gguf
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    b = rng.integers(0, 256, size=(n, k // qk, bb), dtype=np.uint8)
+    for i, off in enumerate(_F16_FIELDS[qtype]):
+        if size:
+            d = rng.uniform(0.5, 1.0, size=(n, k // qk)) * size / _CODE_RANGE[qtype]
+        else:
+            d = rng.uniform(0.5, 2.0, size=(n, k // qk)) * 10.0 ** rng.integers(-4, -1, size=(n, k // qk))
+        if i == 0:
+            d *= rng.choice([-1.0, 1.0], size=d.shape)
+        b[..., off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(n, k // qk, 2)
+    return b.reshape(n, -1)

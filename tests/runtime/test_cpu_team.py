@@ -187,3 +187,46 @@ def test_plans_validate_for_many_shapes(threads):
         shape = cpu_plan.Shape(3, 576, 9, 3, 64, 1536, 49152,
                                dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.75))
         cpu_plan.validate(cpu_plan.build(shape, rows, threads, argmax=rows % 2 == 1), shape, rows)
+
+
+def _raw(qtype: int, n: int, k: int, seed: int) -> Linear:
+    """A matrix stored as hand-built ggml blocks of `qtype`, weights of about 1/sqrt(k)."""
+    from support import random_blocks
+
+    from slipstream.weights.quant import RAW_TYPES
+    if qtype in (1, 30):   # F16, BF16
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
+        return Linear.from_raw(qtype, w.to(torch.float16 if qtype == 1 else torch.bfloat16).view(torch.uint8), n, k)
+    blocks = random_blocks(qtype, n, k, seed, size=2.0 / k ** 0.5)
+    return Linear.from_raw(qtype, blocks, n, k) if qtype in RAW_TYPES else Linear.from_blocks(qtype, blocks, n, k)
+
+
+# ggml type ids: every type the loader keeps as raw blocks, with a V of another type in the fused
+# QKV (a chain of two layouts, as in Q4_K_M files)
+RAW_QTYPES = {"Q5_0": 6, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20,
+              "IQ4_XS": 23, "F16": 1, "BF16": 30}
+
+
+@pytest.mark.parametrize("name", list(RAW_QTYPES))
+def test_every_block_type_on_the_native_step(name):
+    from slipstream.weights.quant import concat_rows
+    qt = RAW_QTYPES[name]
+    cfg = shape_config("tiny", hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=512,
+                       num_layers=2)
+    m = random_llama(cfg, seed=11)
+    layers = []
+    for i, L in enumerate(m.layers):
+        hd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = concat_rows([_raw(qt, hd, cfg.hidden_size, 10 * i), _raw(qt, kvd, cfg.hidden_size, 10 * i + 1),
+                           _raw(14 if qt != 14 else 8, kvd, cfg.hidden_size, 10 * i + 2)])
+        layers.append(dataclasses.replace(
+            L, qkv=qkv, o=_raw(qt, cfg.hidden_size, hd, 10 * i + 3),
+            gate_up=_raw(qt, 2 * cfg.intermediate_size, cfg.hidden_size, 10 * i + 4),
+            down=_raw(qt, cfg.hidden_size, cfg.intermediate_size, 10 * i + 5)))
+    m.layers = layers
+    m.embed = m.lm_head = _raw(qt, cfg.vocab_size, cfg.hidden_size, 99)
+    for le, lt in _run(m, [[1, 2, 3], [9, 8, 7, 6, 5, 4]], 3, exact=True):
+        torch.testing.assert_close(lt, le, rtol=1e-4, atol=1e-4)
+        assert le.argmax(-1).tolist() == lt.argmax(-1).tolist()
+    for le, lt in _run(m, [[1, 2, 3]], 2, exact=False):
+        assert ((lt - le).norm() / le.norm()).item() < 0.05
