@@ -61,7 +61,7 @@ static int check_qtypes(void) {
         qt_f_row(t, w, K, x[0], R, out);
         for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, want[r] / scale, 1e-4, "qt_f", t);
         if (t == QT_F16 || t == QT_BF16) continue;
-        qt_q8_row(t, w, K, xq[0], xd[0], R, out);
+        qt_q8_row(t, w, K, xq[0], xd[0], xs[0], R, out);
         for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, wantq[r] / scale, 1e-4, "qt_q8", t);
     }
     return ok;

@@ -96,12 +96,39 @@ static inline void qt_q3k_scales(const uint8_t *s, int sc[16]) {
     }
 }
 
+#if defined(SS_AVX2)
+// AVX2 pieces of the decoders: 32 codes per register
+AI __m256i qt_nibbles(const uint8_t *p16) {   // 16 bytes -> [low nibbles, high nibbles]
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p16), m4 = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+AI __m256i qt_bits(uint32_t x) {   // bit i of x -> byte i: 0xFF or 0
+    const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+AI __m256i qt_field(__m256i v, int shift, int mask) {   // (v >> shift) & mask, per byte
+    return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+AI void qt_store(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
+#endif
+
 // Decode one block of type t at p (qt_block(t) weights).
-static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
+AI void qt_unpack(const int t, const uint8_t *p, QTBlock *o) {
     switch (t) {
     case QT_Q4_0: case QT_Q4_1: case QT_IQ4_NL: {
         const float d = qt_f16(p);
         const uint8_t *qs = p + (t == QT_Q4_1 ? 4 : 2);
+#if defined(SS_AVX2)
+        const __m256i nib = qt_nibbles(qs);
+        if (t == QT_IQ4_NL)
+            qt_store(o->q, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)), nib));
+        else
+            qt_store(o->q, t == QT_Q4_0 ? _mm256_sub_epi8(nib, _mm256_set1_epi8(8)) : nib);
+        if (0)
+#endif
         for (int j = 0; j < 16; j++) {
             const int lo = qs[j] & 15, hi = qs[j] >> 4;
             if (t == QT_IQ4_NL) o->q[j] = QT_KVALUES[lo], o->q[j + 16] = QT_KVALUES[hi];
@@ -119,6 +146,11 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
         memcpy(&qh, p + 2 + off, 4);
         const uint8_t *qs = p + 6 + off;
         const int bias = t == QT_Q5_0 ? 16 : 0;
+#if defined(SS_AVX2)
+        const __m256i v = _mm256_or_si256(qt_nibbles(qs), _mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(16)));
+        qt_store(o->q, _mm256_sub_epi8(v, _mm256_set1_epi8((char)bias)));
+        if (0)
+#endif
         for (int j = 0; j < 16; j++) {
             o->q[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - bias);
             o->q[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
@@ -136,9 +168,15 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
     case QT_Q2_K: {   // scales[16] qs[64] d dmin
         const uint8_t *sc = p, *qs = p + 16;
         const float d = qt_f16(p + 80), dmin = qt_f16(p + 82);
-        for (int e = 0; e < 256; e++) {
-            const int h = e >> 7, j = (e & 127) >> 5, l = e & 31;
-            o->q[e] = (int8_t)((qs[h * 32 + l] >> (2 * j)) & 3);
+        // element 128h + 32j + l: bits 2j..2j+1 of byte 32h + l (loops shaped so they vectorize)
+        for (int h = 0; h < 2; h++) {
+#if defined(SS_AVX2)
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            for (int j = 0; j < 4; j++) qt_store(o->q + 128 * h + 32 * j, qt_field(v, 2 * j, 3));
+            continue;
+#endif
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) o->q[128 * h + 32 * j + l] = (int8_t)((qs[32 * h + l] >> (2 * j)) & 3);
         }
         for (int i = 0; i < 16; i++) {
             o->sc[i] = d * (float)(sc[i] & 15);
@@ -151,10 +189,22 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
         const float d = qt_f16(p + 108);
         int sc[16];
         qt_q3k_scales(p + 96, sc);
-        for (int e = 0; e < 256; e++) {
-            const int h = e >> 7, j = (e & 127) >> 5, l = e & 31;
-            const int lo = (qs[h * 32 + l] >> (2 * j)) & 3, hb = (hm[l] >> (e >> 5)) & 1;
-            o->q[e] = (int8_t)(lo - (hb ? 0 : 4));
+        // element 128h + 32j + l: low bits as Q2_K, high bit = bit 4h + j of hmask[l] (0 means -4)
+        for (int h = 0; h < 2; h++) {
+#if defined(SS_AVX2)
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            const __m256i hv = _mm256_loadu_si256((const __m256i *)hm);
+            for (int j = 0; j < 4; j++) {
+                const __m256i lo = qt_field(v, 2 * j, 3), hb = qt_field(hv, 4 * h + j, 1);
+                qt_store(o->q + 128 * h + 32 * j, _mm256_sub_epi8(_mm256_add_epi8(lo, _mm256_slli_epi16(hb, 2)), _mm256_set1_epi8(4)));
+            }
+            continue;
+#endif
+            for (int j = 0; j < 4; j++)
+                for (int l = 0; l < 32; l++) {
+                    const int lo = (qs[32 * h + l] >> (2 * j)) & 3, hb = (hm[l] >> (4 * h + j)) & 1;
+                    o->q[128 * h + 32 * j + l] = (int8_t)(lo - 4 + 4 * hb);
+                }
         }
         for (int i = 0; i < 16; i++) o->sc[i] = d * (float)sc[i], o->mn[i] = 0.f;
         break;
@@ -164,12 +214,32 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
         int sc[8], mn[8];
         qt_k_scales(p + 4, sc, mn);
         const uint8_t *qh = p + 16, *qs = p + (t == QT_Q5_K ? 48 : 16);
-        for (int e = 0; e < 256; e++) {
-            const int c = e >> 6, half = (e & 63) >> 5, l = e & 31;
-            int v = (qs[c * 32 + l] >> (4 * half)) & 15;
-            if (t == QT_Q5_K) v |= ((qh[l] >> (e >> 5)) & 1) << 4;
-            o->q[e] = (int8_t)v;
+        // element 64c + 32half + l: nibble `half` of byte 32c + l (Q5_K: plus bit 2c + half of qh[l])
+#if defined(SS_AVX2)
+        const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15)), hi = qt_field(v, 4, 15);
+            if (t == QT_Q5_K) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(qt_field(hv, 2 * c, 1), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(qt_field(hv, 2 * c + 1, 1), 4));
+            }
+            qt_store(o->q + 64 * c, lo);
+            qt_store(o->q + 64 * c + 32, hi);
         }
+        if (0)
+#endif
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                o->q[64 * c + l] = (int8_t)(qs[32 * c + l] & 15);
+                o->q[64 * c + 32 + l] = (int8_t)(qs[32 * c + l] >> 4);
+            }
+#if defined(SS_AVX2)
+        if (0)
+#endif
+        if (t == QT_Q5_K)
+            for (int s = 0; s < 8; s++)
+                for (int l = 0; l < 32; l++) o->q[32 * s + l] = (int8_t)(o->q[32 * s + l] | (((qh[l] >> s) & 1) << 4));
         for (int i = 0; i < 16; i++) {
             o->sc[i] = d * (float)sc[i >> 1];
             o->mn[i] = -(dmin * (float)mn[i >> 1]);
@@ -180,11 +250,30 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
         const uint8_t *ql = p, *qh = p + 128;
         const int8_t *sc = (const int8_t *)(p + 192);
         const float d = qt_f16(p + 208);
-        for (int e = 0; e < 256; e++) {
-            const int h = e >> 7, half = (e & 127) >> 6, l64 = e & 63, j = (e & 127) >> 5, l = e & 31;
-            const int lo = (ql[h * 64 + l64] >> (4 * half)) & 15, hi = (qh[h * 32 + l] >> (2 * j)) & 3;
-            o->q[e] = (int8_t)((lo | (hi << 4)) - 32);
+        // element 128h + 32j + l: nibble j / 2 of ql[64h + 32(j % 2) + l], bits 2j.. of qh[32h + l]
+#if defined(SS_AVX2)
+        for (int h = 0; h < 2; h++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(qh + 32 * h)), m4 = _mm256_set1_epi8(15);
+            const __m256i k32 = _mm256_set1_epi8(32);
+            int8_t *q = o->q + 128 * h;
+            qt_store(q, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(qt_field(c, 0, 3), 4)), k32));
+            qt_store(q + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(qt_field(c, 2, 3), 4)), k32));
+            qt_store(q + 64, _mm256_sub_epi8(_mm256_or_si256(qt_field(a, 4, 15), _mm256_slli_epi16(qt_field(c, 4, 3), 4)), k32));
+            qt_store(q + 96, _mm256_sub_epi8(_mm256_or_si256(qt_field(b, 4, 15), _mm256_slli_epi16(qt_field(c, 6, 3), 4)), k32));
         }
+        if (0)
+#endif
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const int a = ql[64 * h + l], b = ql[64 * h + 32 + l], c = qh[32 * h + l];
+                int8_t *q = o->q + 128 * h + l;
+                q[0] = (int8_t)(((a & 15) | ((c & 3) << 4)) - 32);
+                q[32] = (int8_t)(((b & 15) | (((c >> 2) & 3) << 4)) - 32);
+                q[64] = (int8_t)(((a >> 4) | (((c >> 4) & 3) << 4)) - 32);
+                q[96] = (int8_t)(((b >> 4) | (((c >> 6) & 3) << 4)) - 32);
+            }
         for (int i = 0; i < 16; i++) o->sc[i] = d * (float)sc[i], o->mn[i] = 0.f;
         break;
     }
@@ -196,6 +285,11 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
             const int ls = (((sl[s >> 1] >> (4 * (s & 1))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32;
             o->sc[2 * s] = o->sc[2 * s + 1] = d * (float)ls;
             o->mn[2 * s] = o->mn[2 * s + 1] = 0.f;
+#if defined(SS_AVX2)
+            qt_store(o->q + 32 * s, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)),
+                                                        qt_nibbles(qs + 16 * s)));
+            continue;
+#endif
             for (int l = 0; l < 16; l++) {
                 o->q[32 * s + l] = QT_KVALUES[qs[16 * s + l] & 15];
                 o->q[32 * s + 16 + l] = QT_KVALUES[qs[16 * s + l] >> 4];
@@ -209,13 +303,16 @@ static inline void qt_unpack(int t, const uint8_t *p, QTBlock *o) {
 }
 
 // -- fast product: one weight row of block type t against nb int8 activation rows ------------------
-static inline void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb,
-                             float *out) {
-    const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t);
+// xs: the activation's per-32 sums (d * sum of codes), for the offsets of types whose minimum is
+// per 32 weights; Q2_K's per-16 minimum sums the codes itself
+AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
+                    int nb, float *out) {
+    const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
     QTBlock u;
 #if defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    float accm[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), accm[b] = 0.f;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int blk = 0; blk < K / QK; blk++) {
         qt_unpack(t, w + (int64_t)blk * BB, &u);
@@ -226,20 +323,24 @@ static inline void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, c
             const __m256 sv = _mm256_set_m128(_mm_set1_ps(u.sc[2 * c + 1]), _mm_set1_ps(u.sc[2 * c]));
             const __m256 mv = _mm256_set_m128(_mm_set1_ps(u.mn[2 * c + 1]), _mm_set1_ps(u.mn[2 * c]));
             const int g = blk * (QK / 32) + c;
+            (void)mv;
             for (int b = 0; b < nb; b++) {
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + 32 * g));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(av, qv)), ones16);
                 const __m256 dx = _mm256_set1_ps(xd[(int64_t)b * G + g]);
                 acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, dx), acc[b]);
-                if (mins) {
+                if (min16) {
                     const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, av), ones16);
                     acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(mv, dx), acc[b]);
+                } else if (mins) {
+                    accm[b] += u.mn[2 * c] * xs[(int64_t)b * G + g];
                 }
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + accm[b];
 #else
+    (void)xs;
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
         qt_unpack(t, w + (int64_t)blk * BB, &u);
@@ -271,8 +372,22 @@ static inline void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, c
 #endif
 }
 
+// one compiled body per type (the decoder's switch folds away)
+#define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
+    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS)
+
+static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
+                      float *out) {
+    switch (t) {
+#define QT_CASE(T) case T: qt_q8_row_t(T, w, K, xq, xd, xs, nb, out); break;
+    QT_EACH_BLOCK_TYPE(QT_CASE)
+#undef QT_CASE
+    default: for (int b = 0; b < nb; b++) out[b] = 0.f;
+    }
+}
+
 // -- exact product: fp32 activations -----------------------------------------------------------------
-static inline void qt_f_row(int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
+AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
     if (t == QT_F16 || t == QT_BF16) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (int64_t)b * K;
@@ -330,6 +445,15 @@ static inline void qt_f_row(int t, const uint8_t *w, int K, const float *x, int 
     }
     for (int b = 0; b < nb; b++) out[b] = acc[b];
 #endif
+}
+
+static void qt_f_row(int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
+    switch (t) {
+#define QT_CASE(T) case T: qt_f_row_t(T, w, K, x, nb, out); break;
+    QT_EACH_BLOCK_TYPE(QT_CASE) QT_CASE(QT_F16) QT_CASE(QT_BF16)
+#undef QT_CASE
+    default: for (int b = 0; b < nb; b++) out[b] = 0.f;
+    }
 }
 
 // one row of K weights as fp32 (the embedding table); same values as the reference dequantization

@@ -153,7 +153,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                 } else {
                     const int8_t *xq = x->q + (int64_t)b0 * K;
                     const float *xd = x->d + (int64_t)b0 * G;
-#define QTQ(NB) qt_q8_row(m->qtype, w, K, xq, xd, NB, out)
+#define QTQ(NB) qt_q8_row(m->qtype, w, K, xq, xd, x->s + (int64_t)b0 * G, NB, out)
                     SS_BY_ROWS(nb, QTQ)
 #undef QTQ
                 }
