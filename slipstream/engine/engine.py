@@ -33,7 +33,7 @@ from slipstream.runtime.registry import build_decoder, placement, resolve_runtim
 from slipstream.step import StepBuilder, StepInput
 from slipstream.structured.constraint import ConstraintError
 from slipstream.structured.grammar import Matcher, compile_constraint
-from slipstream.structured.masks import MaskJob, apply_masks, fill_masks
+from slipstream.structured.masks import MaskJob, fill_masks, masked_copy
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30   # KV-cache size when not given: up to twice the context, within this
@@ -373,8 +373,7 @@ class Engine:
                 draft = d[j] if j < len(d) else None
                 row_logits = logits[base + j]
                 if r.matcher is not None:   # the grammar's mask after the tokens kept so far
-                    row_logits = apply_masks(row_logits[None].float().clone(),
-                                             fill_masks([r.matcher], self.vocab_size))[0]
+                    row_logits = masked_copy(row_logits[None], fill_masks([r.matcher], self.vocab_size), [0])[0]
                 tok, ok, pen = verify_row(row_logits, r.params, r.prompt_ids, r.output_ids,
                                           r.generator, draft, q[j] if q and draft is not None else None)
                 lp = None
@@ -440,7 +439,7 @@ class Engine:
         if rows:   # forbidden tokens of constrained rows to -inf (a copy: the runtime owns its logits)
             if masks is None:
                 masks = fill_masks([r.matcher for r in batch], self.vocab_size)
-            logits = apply_masks(logits.float().clone(), masks[rows], rows)
+            logits = masked_copy(logits, masks[rows], rows)
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
                            [r.output_ids for r in batch], [r.generator for r in batch])
         now = time.perf_counter()

@@ -355,8 +355,10 @@ class Sampler:
 
         greedy_rows = [i for i, sp in enumerate(params) if sp.greedy]
         if len(greedy_rows) == batch:
-            # The common decode case: one argmax over the whole batch.
-            token_ids: list[int] = logits.argmax(dim=-1).tolist()
+            # The common decode case: one argmax over the whole batch (numpy on the CPU: one thread, the
+            # same first-maximum tie rule; torch's intra-op threads would wait on the runtime's team)
+            token_ids: list[int] = (logits.numpy().argmax(axis=-1).tolist() if logits.device.type == "cpu"
+                                    else logits.argmax(dim=-1).tolist())
         else:
             token_ids = [0] * batch
             if greedy_rows:

@@ -53,6 +53,7 @@ class ChatOutput:
         self._buffering = False  # auto: the start marker was seen; everything from it is held
         self._seen_content = False
         self._named_id: str | None = None
+        self._ws = ""            # auto: whitespace after the visible content, not sent yet
 
     # -- streaming ----------------------------------------------------------------------------
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -81,7 +82,10 @@ class ChatOutput:
             if calls:
                 out += self._plain(rest) + self._calls(calls)
             else:
-                out += self._plain(held)
+                out += self._plain(self._ws + held)
+        elif mode == "auto":
+            out += self._plain(self._ws)
+        self._ws = ""
         return out
 
     # -- the final message --------------------------------------------------------------------------
@@ -171,9 +175,13 @@ class ChatOutput:
         return self._visible(text[:len(text) - k])
 
     def _visible(self, text: str) -> list[dict[str, Any]]:
-        if text.strip():
+        """Content before any tool call; trailing whitespace waits (it is dropped before a call)."""
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body.strip():
             self._seen_content = True
-        return self._plain(text)
+        return self._plain(body)
 
     def _calls(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         out = []
