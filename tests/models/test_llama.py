@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import random_blocks
 
 transformers = pytest.importorskip("transformers")
 
@@ -323,7 +324,16 @@ GGUF_VARIANTS = {
     "packed_tied": dict(tied=True, types={
         "token_embd": QT.Q8_0, "attn_q": QT.Q4_0, "attn_k": QT.Q4_0, "attn_v": QT.Q4_0,
         "attn_output": QT.Q8_0, "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.Q4_K}),
+    # the types kept as the file's blocks, mixed as llama.cpp's K-quant mixes do (fused QKV of three types)
+    "raw_mixed": dict(tied=False, types={
+        "token_embd": QT.Q5_1, "attn_q": QT.Q5_0, "attn_k": QT.Q5_1, "attn_v": QT.IQ4_NL,
+        "attn_output": QT.BF16, "ffn_gate": QT.F16, "ffn_up": QT.Q8_0, "ffn_down": QT.Q6_K, "output": QT.IQ4_NL}),
+    # every other 256-weight type where K allows it (ffn_down: K = 256)
+    **{f"down_{t.name}": dict(tied=True, types={"token_embd": QT.Q5_0, "attn_q": QT.Q5_0, "attn_k": QT.Q5_0,
+                                                "attn_v": QT.Q5_0, "ffn_down": t})
+       for t in (QT.Q2_K, QT.Q3_K, QT.Q5_K, QT.IQ4_XS)},
 }
+QUANTIZABLE = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.BF16}   # gguf-py has quantizers for these
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
@@ -404,7 +414,12 @@ def _write_gguf(hf: torch.nn.Module, path: Path, types: dict, tied: bool) -> Non
             w.add_tensor(dst, arr.astype(np.float16))
             back = arr.astype(np.float16).astype(np.float32)
         else:
-            raw = _random_q4k(*arr.shape, seed) if qt == QT.Q4_K else gguf.quants.quantize(arr, qt)
+            if qt == QT.Q4_K:
+                raw = _random_q4k(*arr.shape, seed)
+            elif qt in QUANTIZABLE:
+                raw = gguf.quants.quantize(arr, qt)
+            else:   # no gguf-py quantizer: hand-built blocks of the same magnitude
+                raw = random_blocks(int(qt), *arr.shape, seed=seed, size=float(np.abs(arr).max()))
             w.add_tensor(dst, raw, raw_dtype=qt)
             back = gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)
         if role in heads:
@@ -446,6 +461,13 @@ def test_gguf_config(tiny_gguf: Tiny):
         L = m.layers[0]
         assert (L.qkv.fmt, L.o.fmt, L.gate_up.fmt, L.down.fmt) == (Q4_0, Q8_0, Q4_1, Q4_F32)
         assert m.lm_head is m.embed and m.embed.fmt == Q8_0
+    elif tiny_gguf.name == "raw_mixed":   # raw blocks in place; QKV a stack of three types
+        L = m.layers[0]
+        assert L.qkv.format_name == "Q5_0+Q5_1+IQ4_NL"
+        assert (L.o.format_name, L.gate_up.format_name, L.down.format_name) == ("BF16", "F16+Q8_0", "Q6_K")
+        assert (m.embed.format_name, m.lm_head.format_name) == ("Q5_1", "IQ4_NL")
+    elif tiny_gguf.name.startswith("down_"):
+        assert m.layers[0].down.format_name == tiny_gguf.name.removeprefix("down_")
     else:
         assert m.lm_head is not m.embed and not m.layers[0].qkv.packed
 
@@ -476,3 +498,32 @@ def test_gguf_greedy_matches_generate(tiny_gguf: Tiny):
         ours.append(int(logits[0].argmax()))
         logits = run_step(tiny_gguf.model, kv, [(seq, len(toks) + i, [ours[-1]])])
     assert ours == gen[0, len(toks):].tolist()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_gguf_greedy_on_the_native_runtime(tiny_gguf: Tiny, exact: bool):
+    """The whole file on the native CPU step (every type, stacked QKV parts, raw embeddings): the exact
+    path gives transformers' greedy tokens; the fast path (int8 activations) stays close."""
+    from slipstream.kernels.cpu import load_library
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    if load_library() is None:
+        pytest.skip("native CPU kernels unavailable")
+    toks = prompt(7, seed=13)
+    with torch.no_grad():
+        gen = tiny_gguf.hf.generate(torch.tensor([toks]), max_new_tokens=12, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(toks):].tolist()
+    m = tiny_gguf.model
+    kv = m.new_kv_cache(num_blocks=8, block_size=4)
+    team = CpuTeamDecoder(m, kv, exact=exact)
+    seq = SequenceKV(kv)
+    logits = run_step(m, kv, [(seq, 0, toks)])
+    ours = [int(logits[0].argmax())]
+    for i in range(11):
+        seq.reserve(len(toks) + i + 1)
+        b = StepBuilder()
+        b.add(seq, [ours[-1]], len(toks) + i)
+        ours.append(int(team.forward(b.build())[0].argmax()))
+    if exact:
+        assert ours == gen
+    else:
+        assert ours[:4] == gen[:4]
