@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest context the megakernel plans cover (default: the model's maximum)")
     k.add_argument("--tune", action="store_true", help="time the GPU kernels' tiles on this machine's GPU")
 
+    i = sub.add_parser("inspect", help="what a model file holds and which runtime will run it, and why")
+    i.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    i.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
     from slipstream.bench.cli import add_parser as add_bench_parser   # argparse only: no heavy imports
     add_bench_parser(sub)
     return parser
@@ -388,6 +392,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from slipstream.model_info import inspect_model, render
+
+    report = inspect_model(args.model)
+    print(report.to_json() if args.json else render(report))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -403,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slipstream.bench.cli import run as run_bench
             return run_bench(args)
         return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-                "compile": cmd_compile}[args.command](args)
+                "compile": cmd_compile, "inspect": cmd_inspect}[args.command](args)
     except SlipstreamError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
