@@ -191,6 +191,22 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_hits_more(servers: 
     assert rates["cache-aware"] > rates["round-robin"], rates
 
 
+def test_bench_conversation_against_the_replicas(servers: dict[str, ReplicaServer], tmp_path: Path):
+    """`slipstream bench --scenario conversation` runs against the replicas and reports their prefix-cache
+    hit rate (summed over the replicas)."""
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "bench", "--base-url", servers["cache-aware"].base_url,
+                           "--scenario", "conversation", "--rounds", "3", "--max-tokens", "8", "--warmup", "0",
+                           "--no-progress", "--out", str(out)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    point = json.loads(out.read_text())["targets"][0]["scenarios"]["conversation"]["points"][0]
+    assert point["headline"]["completed"] == 3 and point["headline"]["failed"] == 0
+    pc = point["summary"]["prefix_cache"]
+    assert pc["queried_tokens"] > 0 and 0 < pc["hit_rate"] <= 1, pc
+
+
 def test_killing_a_replica_during_load(servers: dict[str, ReplicaServer]):
     srv = servers["cache-aware"]
     outcomes: dict[int, str] = {}
