@@ -3,6 +3,8 @@ MoE (GQA) split over two processes give the greedy tokens of the unsplit model t
 (rank 0 schedules, rank 1 follows its step descriptions) and logits within 1e-4."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,3 +50,29 @@ def test_indivisible_heads_are_refused():
     with pytest.raises(SlipstreamError, match="does not divide"):
         _span(6, 4, 0, "attention heads")
     assert _span(8, 2, 1, "x") == (4, 8)
+
+
+def test_cli_generate_with_tensor_parallel_2(tmp_path):
+    """`slipstream generate FOLDER --tensor-parallel 2` (rank 0 here, rank 1 a spawned process) gives the
+    greedy tokens of the same command without it (eager runtime, one process)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("safetensors")
+    pytest.importorskip("tokenizers")
+    folder = tmp_path / "tiny-llama"
+    tp_workers.write_hf_llama(folder)
+    prompt = " ".join(f"w{(7 * i + 3) % tp_workers.VOCAB}" for i in range(12))
+
+    def generate(*extra: str) -> dict:
+        proc = subprocess.run([sys.executable, "-m", "slipstream", "generate", str(folder), "-p", prompt,
+                               "--max-tokens", "10", "--ignore-eos", "--json", *extra],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "SLIPSTREAM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    tp, one = generate("--tensor-parallel", "2"), generate("--runtime", "eager")
+    assert tp["token_ids"] == one["token_ids"] and len(tp["token_ids"]) == 10
+    assert len(set(tp["token_ids"])) > 1

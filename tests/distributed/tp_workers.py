@@ -168,3 +168,40 @@ def run(rank: int, world: int, init_file: str, names: list[str], out: str) -> No
         if rank == 0:
             torch.save(results, out)
         dist.destroy_process_group()
+
+
+def write_hf_llama(folder: Any, seed: int = 0) -> None:
+    """`tiny_llama("llama")` as a Hugging Face folder (config.json, model.safetensors, a word-level
+    tokenizer.json over "w0".."w127"), for the CLI to load."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    m = tiny_llama("llama", seed)
+    c = m.cfg
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+    state = {"model.embed_tokens.weight": m.embed.data, "model.norm.weight": m.norm}
+    for i, L in enumerate(m.layers):
+        p = f"model.layers.{i}."
+        qkv, gu = L.qkv.data, L.gate_up.data
+        state.update({p + "self_attn.q_proj.weight": qkv[:H * D],
+                      p + "self_attn.k_proj.weight": qkv[H * D:(H + KVH) * D],
+                      p + "self_attn.v_proj.weight": qkv[(H + KVH) * D:], p + "self_attn.o_proj.weight": L.o.data,
+                      p + "mlp.gate_proj.weight": gu[:c.intermediate_size],
+                      p + "mlp.up_proj.weight": gu[c.intermediate_size:], p + "mlp.down_proj.weight": L.down.data,
+                      p + "input_layernorm.weight": L.attn_norm, p + "post_attention_layernorm.weight": L.ffn_norm})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": H,
+        "num_key_value_heads": KVH, "head_dim": D, "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.rms_norm_eps, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": True, "rope_theta": c.rope_theta, "hidden_act": "silu"}))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(str(folder / "tokenizer.json"))
