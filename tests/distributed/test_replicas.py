@@ -191,6 +191,23 @@ def test_cache_aware_keeps_a_conversation_on_one_replica_and_hits_more(servers: 
     assert rates["cache-aware"] > rates["round-robin"], rates
 
 
+def test_a_client_that_leaves_aborts_its_request_in_the_replica(servers: dict[str, ReplicaServer]):
+    srv = servers["cache-aware"]
+    key = 'slipstream_request_success_total{finished_reason="abort"}'
+    before = srv.metrics()[key]
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"text":""' not in line:
+                break                     # the first token is out: leave
+    deadline = time.monotonic() + 60
+    while srv.metrics()[key] == before:
+        assert time.monotonic() < deadline, "the replica kept generating for a client that left"
+        time.sleep(0.5)
+    assert sum(r["inflight"] for r in srv.health()["replicas"]) == 0
+
+
 def test_bench_conversation_against_the_replicas(servers: dict[str, ReplicaServer], tmp_path: Path):
     """`slipstream bench --scenario conversation` runs against the replicas and reports their prefix-cache
     hit rate (summed over the replicas)."""

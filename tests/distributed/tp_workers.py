@@ -54,10 +54,12 @@ def tiny_deepseek(kind: str, seed: int = 0) -> Any:
     common = dict(vocab_size=VOCAB, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
                   moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
                   mlp_layer_types=["dense", "sparse", "sparse"], rms_norm_eps=1e-6, max_position_embeddings=512)
-    if kind == "deepseek_v3":
-        cfg = DeepseekConfig(architecture="deepseek_v3", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+    if kind in ("deepseek_v3", "deepseek_v32"):
+        dsa = dict(index_topk=6, index_head_dim=16, index_n_heads=16, indexer_types=["full"] * 3) \
+            if kind == "deepseek_v32" else {}
+        cfg = DeepseekConfig(architecture=kind, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                              attention="mla", q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
-                             qk_rope_head_dim=8, v_head_dim=12, **common)
+                             qk_rope_head_dim=8, v_head_dim=12, **dsa, **common)
     else:   # GLM-4.5 MoE: GQA with biases, q/k norm, partial rotary
         cfg = DeepseekConfig(architecture="glm4_moe", routed_scaling_factor=1.5, attention="gqa", num_kv_heads=2,
                              head_dim=16, partial_rotary_factor=0.5, attention_bias=True, qk_norm=True, **common)
@@ -75,6 +77,11 @@ def tiny_deepseek(kind: str, seed: int = 0) -> Any:
             L.update(q_a=_mat(g, cfg.q_lora_rank, Hd), q_a_norm=_norm(g, cfg.q_lora_rank),
                      q_b=_mat(g, H * (dn + dr), cfg.q_lora_rank), kv_a=_mat(g, r + dr, Hd), kv_a_norm=_norm(g, r),
                      kv_b=_mat(g, H * (dn + dv), r), o=_mat(g, Hd, H * dv))
+            if cfg.dsa:   # DeepSeek Sparse Attention's lightning indexer
+                Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+                L["indexer"] = {"wq_b": _mat(g, Hi * Di, cfg.q_lora_rank), "wk": _mat(g, Di, Hd),
+                                "k_norm": _norm(g, Di), "k_norm_bias": 0.2 * torch.randn(Di, generator=g),
+                                "weights_proj": _mat(g, Hi, Hd)}
         else:
             D, KVH = cfg.head_dim, cfg.num_kv_heads
             L.update(q=_mat(g, H * D, Hd), k=_mat(g, KVH * D, Hd), v=_mat(g, KVH * D, Hd),
@@ -93,7 +100,8 @@ def tiny_deepseek(kind: str, seed: int = 0) -> Any:
     return DeepseekModel(cfg, w)
 
 
-BUILDERS = {"llama": tiny_llama, "qwen3": tiny_llama, "deepseek_v3": tiny_deepseek, "glm4_moe": tiny_deepseek}
+BUILDERS = {"llama": tiny_llama, "qwen3": tiny_llama, "deepseek_v3": tiny_deepseek, "deepseek_v32": tiny_deepseek,
+            "glm4_moe": tiny_deepseek}
 
 
 class _Detok:
