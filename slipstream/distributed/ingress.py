@@ -78,6 +78,8 @@ class Ingress:
         self.views = [ReplicaView() for _ in replicas]
         self.draining = False
         self.inflight = 0
+        self._forwards: set[asyncio.Future] = set()
+        self._cutting = False
         self._poller: asyncio.Task | None = None
         r = self.registry = CollectorRegistry()
         self.m_routed = Counter("slipstream_router_requests", "Requests routed, by replica and reason.",
@@ -179,6 +181,8 @@ class Ingress:
             key = await asyncio.get_running_loop().run_in_executor(None, self.key_of, path, raw)
         self.inflight += 1
         forward = asyncio.ensure_future(self._forward(request, key, send))
+        self._forwards.add(forward)
+        forward.add_done_callback(self._forwards.discard)
         watcher = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             await asyncio.wait({forward, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -190,6 +194,13 @@ class Ingress:
             self.inflight -= 1
         if forward.done() and not forward.cancelled() and forward.exception() is not None:
             raise forward.exception()   # type: ignore[misc]
+
+    def cut_all(self) -> None:
+        """End every request in flight now (the drain timeout passed): streams get an SSE error event
+        and [DONE], requests not yet answered a 503."""
+        self._cutting = True
+        for f in list(self._forwards):
+            f.cancel()
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         while True:
@@ -263,6 +274,21 @@ class Ingress:
                 await self._start(send, head)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return None
+        except asyncio.CancelledError:
+            if self._cutting:   # shutting down: end the answer cleanly, then stop
+                if not started:
+                    await _send_json(send, 503, error_body("the server shut down before the request was "
+                                                           "answered", "server_error", None,
+                                                           "server_shutting_down"),
+                                     {"Retry-After": str(self.retry_after_s)})
+                else:
+                    if sse:
+                        err = error_body("the server shut down before the request finished", "server_error",
+                                         None, "server_shutting_down")
+                        await send({"type": "http.response.body",
+                                    "body": b"data: " + _json(err) + b"\n\n" + SSE_DONE, "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise
         except ReplicaFailed as e:
             self.views[i].ready = False
             self.views[i].last_error = str(e)[:200]

@@ -236,9 +236,13 @@ def _serve_ingress(ingress: Ingress, config: Any, host: str, port: int, log_leve
                 loop = asyncio.get_running_loop()
                 if not self.drain_started:
                     self.drain_started = loop.time()
-                over = drain_timeout is not None and loop.time() - self.drain_started > drain_timeout
-                if ingress.inflight == 0 or over:
+                waited = loop.time() - self.drain_started
+                if ingress.inflight == 0:
                     return True
+                if drain_timeout is not None and waited > drain_timeout:
+                    ingress.cut_all()          # streams end with an error event and [DONE]
+                    if waited > drain_timeout + 5.0:
+                        return True
             return await super().on_tick(counter)
 
     uconfig = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log, lifespan="on",

@@ -3,6 +3,7 @@ starts, a clean SSE error event and [DONE] when a replica dies mid-stream, 503 w
 left, /health and the aggregated /metrics."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator
 
@@ -33,6 +34,8 @@ class ScriptedReplica:
         yield CHUNK
         if self.mode == "fail-mid":
             raise ReplicaFailed("ActorDiedError: the actor died")
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
         yield b"data: [DONE]\n\n"
 
     async def info(self) -> dict[str, Any]:
@@ -103,3 +106,21 @@ async def test_metrics_per_replica_and_summed():
     assert m["slipstream_kv_cache_usage_perc"] == pytest.approx(0.3)   # fractions are averaged
     assert m["slipstream_replicas_ready"] == 2.0 and m["slipstream_replicas_total"] == 2.0
     assert sum(v for k, v in m.items() if k.startswith("slipstream_router_requests_total{")) == 1.0
+
+
+async def test_cut_all_ends_running_streams_with_an_error_event_and_done():
+    """What the drain timeout does to streams still running."""
+    ing, _ = await _ingress("hang")
+    post = asyncio.ensure_future(_post(ing))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if ing.inflight:
+            break
+    await asyncio.sleep(0.05)
+    ing.cut_all()
+    r = await asyncio.wait_for(post, 10)
+    events = [e for e in r.content.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == CHUNK
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "server_shutting_down"
+    assert events[2] == b"data: [DONE]"
+    assert ing.inflight == 0 and ing.router.replicas[0].inflight == 0
