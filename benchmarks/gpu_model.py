@@ -93,6 +93,7 @@ class LoopCost:
     instructions: int
     barriers: int
     load_bytes_per_thread: int
+    weight_bytes_per_thread: int  # of those, weights (plain loads; activations are .cg: LDG...STRONG.GPU)
     in_flight: int                # chunks of weight loads in flight (2: carried to the next iteration)
     act_in_flight: int = 2        # the same for the activation (.cg, L2) loads: 1 = an L2 round trip per step
 
@@ -131,7 +132,8 @@ def _in_flight(loop: sass.Loop, strong: bool = False) -> int:
 
 def loop_cost(loop: sass.Loop) -> LoopCost:
     c = loop.counts
-    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], _in_flight(loop), _in_flight(loop, strong=True))
+    weights = sum(i.load_bytes for i in loop.insts if i.base == "LDG" and "STRONG" not in i.opcode)
+    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], weights, _in_flight(loop), _in_flight(loop, strong=True))
 
 
 # -- the megakernel ---------------------------------------------------------------------------------
@@ -188,11 +190,15 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
             kind = next((kd for key, kd in KINDS if key in body), "other")
             per_op.setdefault(op, []).append((kind, loop_cost(lp)))
     consts = kernel_constants(plan)
-    for op, name in ((1, "QKV_ROPE"), (4, "O_PROJ"), (5, "GATE_UP"), (6, "DOWN"), (7, "LM_HEAD")):
+    t = plan.tiles
+    shape_of = {1: (plan.head_dim // 2, True), 4: (t.o, False), 5: (t.gate_up, True), 6: (t.down, False),
+                7: (t.lm_head, False)}
+    names = {1: "QKV_ROPE", 4: "O_PROJ", 5: "GATE_UP", 6: "DOWN", 7: "LM_HEAD"}
+    key = {op: (*shape_of[op], consts.get(BK_NAME[n])) for op, n in names.items()}
+    for op in names:
         if not any(kd == "mv" for kd, _ in per_op.get(op, [])):
-            # merged with a branch of the same tile and K-chunk: that branch's loop is this one's
-            twin = next((o for o, n in ((4, "O_PROJ"), (6, "DOWN")) if o != op and
-                         consts.get(BK_NAME[n]) == consts.get(BK_NAME[name]) and
+            # ptxas merged two branches' identical loops (same tile, K-chunk, one or two matrices)
+            twin = next((o for o in names if o != op and key[o] == key[op] and
                          any(kd == "mv" for kd, _ in per_op.get(o, []))), None)
             if twin is None:
                 raise RuntimeError(f"no matvec loop found for opcode {op} in the compiled megakernel")
@@ -220,12 +226,14 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
             total += it * lc.seconds(warps, B * lc_block(consts, "rstd") * 4, bw_sm, HW.l2_ns, code.spill)
         elif kind == "mv":
             rows, K = rows_of[Op(op)], k_of[Op(op)]
-            bk_op = consts.get(BK_NAME[Op(op).name], bk)
-            it = math.ceil(K / bk_op)
             share = rows / len(mv_loops) * (2 if Op(op) == Op.GATE_UP and len(mv_loops) == 1 else 1)
-            nbytes = share * bk_op * 2
-            total += it * lc.seconds(warps, nbytes, bw_sm, HW.hbm_ns, code.spill)
-            hbm += share * K * 2
+            task_bytes = share * K * 2
+            # the weight bytes one iteration loads, as compiled (16-byte loads x threads): sets the trips
+            per_iter = lc.weight_bytes_per_thread * 32 * warps or share * consts.get(BK_NAME[Op(op).name], bk) * 2
+            per_iter = min(per_iter, task_bytes)
+            it = math.ceil(task_bytes / per_iter)
+            total += it * lc.seconds(warps, per_iter, bw_sm, HW.hbm_ns, code.spill)
+            hbm += task_bytes
         elif kind == "attn":
             P = plan.tiles.partition
             s = t1
@@ -343,9 +351,10 @@ def _launch_key(launch) -> str:
 def _iterations(launch, context: int) -> tuple[int, float]:
     """(iterations of the kernel's main loop per program, HBM bytes per program) from its arguments."""
     name, a, kw = launch.kernel, launch.args, launch.kwargs
+    named = dict(zip(launch.fn.arg_names, a))
     if name.endswith("_matvec_kernel"):
-        w = a[1]
-        K, k_split = a[9], a[12]
+        w = named["w_ptr"]
+        K, k_split = named["K"], named["k_per_split"]
         rows = kw["BLOCK_N"] * (2 if kw["GLU"] else 1)
         it = math.ceil(min(k_split, K) / kw["BLOCK_K"])
         esz = w.element_size() if w.dtype.is_floating_point or w.element_size() > 1 else 1
@@ -354,9 +363,10 @@ def _iterations(launch, context: int) -> tuple[int, float]:
     if name.endswith("_paged_decode_split_kernel"):
         part, bn = kw.get("PARTITION", 256), kw.get("BLOCK_N", 16)
         n = min(part, context)
-        return math.ceil(n / bn), 2 * n * a[1].shape[-1] * a[1].element_size()
+        k = named["k_ptr"]
+        return math.ceil(n / bn), 2 * n * k.shape[-1] * k.element_size()
     if name.endswith("_argmax_kernel"):
-        V = a[0].shape[-1]
+        V = named["x_ptr"].shape[-1]
         return math.ceil(V / kw.get("BLOCK", 1024)), 0.0
     return 1, 0.0
 

@@ -61,6 +61,7 @@ class _Static:
     next_tokens: torch.Tensor   # int64 [B]: greedy choice, on the device
     attn_ws: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     matvec_ws: dict[tuple[int, int], torch.Tensor]
+    matvec_locks: dict[tuple[int, int], torch.Tensor]
     graph: "torch.cuda.CUDAGraph | None" = None
 
 
@@ -104,13 +105,15 @@ class GraphDecoder(BucketedDecoder):
         dev = self.device
         f32: dict[str, Any] = dict(dtype=torch.float32, device=dev)
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
-        part = self.configs.attention["partition"]
+        part = self.configs.attention_for(B, C, KVH)["partition"]
         splits = -(-C // part)
-        ws = {}
+        ws, locks = {}, {}
         for _, n, k in decode_shapes(c, [B]):
-            sk = self.configs.matvec_for(B, n, k)["split_k"]
-            if sk > 1:
-                ws[(n, k)] = torch.empty((sk, B, n), **f32)
+            p = self.configs.matvec_for(B, n, k)
+            if p["split_k"] > 1:
+                ws[(n, k)] = torch.empty((p["split_k"], B, n), **f32)
+                # per N tile: how many of its split-K programs finished (the last one reduces)
+                locks[(n, k)] = torch.zeros(-(-n // p["block_n"]), dtype=torch.int32, device=dev)
         s = _Static(
             batch=B, max_context=C, max_blocks=-(-C // self.kv.block_size),
             tokens=torch.zeros(B, dtype=torch.int64, device=dev),
@@ -125,7 +128,7 @@ class GraphDecoder(BucketedDecoder):
             next_tokens=torch.zeros(B, dtype=torch.int64, device=dev),
             attn_ws=(torch.empty(B, H, splits, D, **f32), torch.empty(B, H, splits, **f32),
                      torch.empty(B, H, splits, **f32)),
-            matvec_ws=ws)
+            matvec_ws=ws, matvec_locks=locks)
         return s
 
     def _matvec(self, s: _Static, x: torch.Tensor, w: WeightArgs, out: torch.Tensor, accumulate: bool = False,
@@ -136,7 +139,7 @@ class GraphDecoder(BucketedDecoder):
         p = self.configs.matvec_for(s.batch, n, k)
         matvec(x, *w, out=out, accumulate=accumulate, block_n=p["block_n"], block_k=p["block_k"],
                split_k=p["split_k"], num_warps=p["num_warps"], workspace=s.matvec_ws.get((n, k)),
-               norm_weight=norm, eps=self.model.cfg.rms_norm_eps, glu=glu)
+               locks=s.matvec_locks.get((n, k)), norm_weight=norm, eps=self.model.cfg.rms_norm_eps, glu=glu)
 
     def _body(self, s: _Static) -> None:
         """One decode step on the static buffers: only kernel launches, no host synchronisation.
@@ -149,7 +152,7 @@ class GraphDecoder(BucketedDecoder):
         m, c = self.model, self.model.cfg
         H, KVH, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         B = s.batch
-        att = self.configs.attention
+        att = self.configs.attention_for(B, s.max_context, KVH)
         s.x.copy_(m.embed.dequantize(s.tokens))
         for li, (L, Wl) in enumerate(zip(m.layers, self.layers)):
             self._matvec(s, s.x, Wl["qkv"], s.qkv, norm=L.attn_norm)

@@ -21,7 +21,6 @@ task table and the buffers.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from slipstream.runtime.plan import (
     Plan,
     TileConfig,
     compile_plan,
+    default_tiles,
     fill_inputs,
     new_buffers,
     pack_weights,
@@ -78,7 +78,7 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
     Built for the compiled loop: every operand is a [BLOCK_B, TILE, BLOCK_K] tensor of one layout (no
     layout conversion, so no shared-memory round trip or barrier per K-step), products accumulate
     element-wise and are reduced over K once after the loop (no shuffles per K-step), and the next
-    K-chunk of weights is loaded before the current one is used (two chunks in flight)."""
+    two K-chunks are loaded per step before either is used (two chunks in flight)."""
     j = tl.arange(0, TILE)[None, :, None]
     kk = tl.arange(0, BLOCK_K)[None, None, :]
     b3 = offs_b[:, None, None]
@@ -91,35 +91,42 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
     ACC_K: tl.constexpr = 1 if EACH else BLOCK_K
     acc_a = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
     acc_b = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
-    wa = tl.load(pa, mask=r_mask & (kk < K), other=0.0)
-    wb = wa
-    if TWO:
-        wb = tl.load(pb, mask=r_mask & (kk < K), other=0.0)
-    x = tl.load(x_base + b3 * ROW_STRIDE + kk, mask=bm3 & (kk < K), other=0.0, cache_modifier=".cg")
-    nw = tl.load(nw_ptr + kk, mask=(kk < K) & NORM, other=0.0)
-    for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K + kk          # the next chunk's loads go out before this chunk is used
-        km = nxt < K
-        wa_next = tl.load(pa + k0 + BLOCK_K, mask=r_mask & km, other=0.0)
-        x_next = tl.load(x_base + b3 * ROW_STRIDE + nxt, mask=bm3 & km, other=0.0, cache_modifier=".cg")
-        nw_next = tl.load(nw_ptr + nxt, mask=km & NORM, other=0.0)
-        xin = x
-        if NORM:
-            xin = x * rstd[:, None, None] * nw.to(tl.float32)
-        if EACH:
-            acc_a += tl.sum(xin * wa.to(tl.float32), axis=2, keep_dims=True)
-        else:
-            acc_a += xin * wa.to(tl.float32)
-        wa = wa_next
+    # x and the norm weight are loaded at the tile's full shape (addresses repeat along TILE): they
+    # then share the weights' layout, where a [B, 1, BLOCK_K] load would need a conversion per step
+    jz = j * 0
+    px = x_base + b3 * ROW_STRIDE + jz + kk
+    pn = nw_ptr + jz + kk
+    for k0 in range(0, K, 2 * BLOCK_K):
+        # two K-chunks per step, every load issued before any is used: two chunks in flight without
+        # loop-carried loads (which the compiler repacks, and so waits for, in the issuing step)
+        k1 = k0 + BLOCK_K
+        m0 = k0 + kk < K
+        m1 = k1 + kk < K
+        wa0 = tl.load(pa + k0, mask=r_mask & m0, other=0.0)
+        wa1 = tl.load(pa + k1, mask=r_mask & m1, other=0.0)
+        wb0 = wa0
+        wb1 = wa1
         if TWO:
-            wb_next = tl.load(pb + k0 + BLOCK_K, mask=r_mask & km, other=0.0)
+            wb0 = tl.load(pb + k0, mask=r_mask & m0, other=0.0)
+            wb1 = tl.load(pb + k1, mask=r_mask & m1, other=0.0)
+        x0 = tl.load(px + k0, mask=bm3 & m0, other=0.0, cache_modifier=".cg")
+        x1 = tl.load(px + k1, mask=bm3 & m1, other=0.0, cache_modifier=".cg")
+        if NORM:
+            x0 = x0 * rstd[:, None, None] * tl.load(pn + k0, mask=(jz + k0 + kk) < K, other=0.0,
+                                                          cache_modifier=".cg").to(tl.float32)
+            x1 = x1 * rstd[:, None, None] * tl.load(pn + k1, mask=(jz + k1 + kk) < K, other=0.0,
+                                                          cache_modifier=".cg").to(tl.float32)
+        pa_ = x0 * wa0.to(tl.float32) + x1 * wa1.to(tl.float32)
+        if EACH:
+            acc_a += tl.sum(pa_, axis=2, keep_dims=True)
+        else:
+            acc_a += pa_
+        if TWO:
+            pb_ = x0 * wb0.to(tl.float32) + x1 * wb1.to(tl.float32)
             if EACH:
-                acc_b += tl.sum(xin * wb.to(tl.float32), axis=2, keep_dims=True)
+                acc_b += tl.sum(pb_, axis=2, keep_dims=True)
             else:
-                acc_b += xin * wb.to(tl.float32)
-            wb = wb_next
-        x = x_next
-        nw = nw_next
+                acc_b += pb_
     return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
 
 
@@ -492,7 +499,7 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
                 BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head)
 
 
-ACC_ELEMENTS = 4096
+ACC_ELEMENTS = 8192   # 32 float32 registers per thread at 8 warps
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 
 
@@ -581,27 +588,6 @@ def check(s: _Static) -> None:
                           f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
 
 
-def default_tiles(cfg, max_context: int, num_programs: int, fill: bool = True) -> TileConfig:
-    """The plan's tiles for a context bucket on `num_programs` programs. With `fill`, every phase that
-    can has at least `num_programs` tasks: O and DOWN rows per task cut to hidden / programs (a power
-    of two, at least 8), and attention partitions (a power of two, at least 16 tokens) short enough
-    that kv heads x splits of the bucket's context reach the program count."""
-    base = TileConfig()
-    if not fill:
-        return base
-
-    def floor2(n: float, lo: int) -> int:
-        p = lo
-        while p * 2 <= n:
-            p *= 2
-        return p
-    rows = floor2(cfg.hidden_size / num_programs, 8)
-    part = 16
-    while cfg.num_kv_heads * -(-max_context // (part * 2)) >= num_programs:
-        part *= 2
-    return dataclasses.replace(base, o=min(base.o, rows), down=min(base.down, rows), partition=part)
-
-
 MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it
 
 
@@ -621,7 +607,7 @@ class MegakernelDecoder(BucketedDecoder):
         self.model, self.kv = model, kv
         self.device = kv.k.device
         self._init_buckets(model, kv, max_batch, MAX_ROWS, max_context)
-        self.tiles = tiles or TileConfig()
+        self.tiles = tiles     # None: `default_tiles` per context bucket for this GPU's programs
         dtype = kv.k.dtype if self.device.type == "cuda" else torch.float32
         self.W, self.layout = pack_weights(model, dtype=dtype, device=self.device)
         self.shares_weights = share_weights(model, self.W, self.layout)   # one copy, not two
@@ -638,12 +624,17 @@ class MegakernelDecoder(BucketedDecoder):
         why = supports(model)
         return None if why is None else f"the megakernel runtime cannot run this model: {why}"
 
+    def tiles_for(self, context: int) -> TileConfig:
+        """The tiles of a context bucket's plan: the ones given, else `default_tiles` for the programs."""
+        return self.tiles or default_tiles(self.model.cfg, context, self.num_programs)
+
     def _usable(self, plan: Plan, context: int) -> bool:
         """A precompiled plan fits if it was built for this model's layout, this cache's block size
-        and exactly this context bucket (more would run empty attention splits)."""
+        and exactly this context bucket (more would run empty attention splits), with the tiles asked
+        for if any were (the kernel takes any plan's tiles from the plan itself)."""
         return (plan.weights == self.layout and plan.block_size == self.kv.block_size
                 and plan.max_context == context and plan.num_layers == self.model.cfg.num_layers
-                and plan.tiles == self.tiles)
+                and (self.tiles is None or plan.tiles == self.tiles))
 
     def plan_for(self, batch: int, context: int) -> Plan:
         """The plan of one (batch, context) bucket: the artifact's when it fits, else compiled now."""
@@ -651,7 +642,8 @@ class MegakernelDecoder(BucketedDecoder):
         if isinstance(plan, (str, Path)):   # from a compiled artifact
             plan = Plan.load(plan)
         if plan is None or not self._usable(plan, context):
-            plan = compile_plan(self.model.cfg, batch, context, self.kv.block_size, self.layout, self.tiles)
+            plan = compile_plan(self.model.cfg, batch, context, self.kv.block_size, self.layout,
+                                self.tiles_for(context))
         validate(plan)     # also a loaded plan: a hand-edited file must not hang the GPU
         self.plans[(batch, context)] = plan
         return plan

@@ -78,6 +78,26 @@ class TileConfig:
     partition: int = 256
 
 
+def default_tiles(cfg: ModelConfig, max_context: int, num_programs: int, fill: bool = True) -> TileConfig:
+    """The megakernel plan's tiles for a context bucket on `num_programs` persistent programs, as the
+    GPU latency model (`benchmarks/gpu_model.py`) chose them. With `fill`, the phases whose base tiles
+    leave programs idle get about as many tasks as programs (at least 95%: dense-1B and -8B get 128
+    for 132 SMs, where the next halving would double the tasks and their fixed cost): O and DOWN rows
+    per task (a power of two, at least 16) and attention partitions (a power of two, at least 16
+    tokens: kv heads x splits of the bucket's context). The QKV phase (one task per head) is not cut."""
+    base = TileConfig()
+    if not fill:
+        return base
+    enough = 0.95 * num_programs
+    rows = base.o
+    while rows > 16 and cdiv(cfg.hidden_size, rows) < enough:
+        rows //= 2
+    part = 16
+    while cfg.num_kv_heads * cdiv(max_context, part * 2) >= enough:
+        part *= 2
+    return dataclasses.replace(base, o=rows, down=rows, partition=part)
+
+
 # -- flat buffer layouts ----------------------------------------------------------------------------
 WEIGHT_ALIGN = 16   # elements: every weight starts on a 32-byte (bf16) / 64-byte (fp32) boundary
 LAYER_WEIGHTS = ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")

@@ -209,13 +209,10 @@ for _n, _M, _N, _K, _fmt in [("bf16-1B-gate_up-b1", 1, 2 * _d1["F"], _d1["hidden
                              ("bf16-8B-gate_up-b8", 8, 2 * _d8["F"], _d8["hidden"], "bf16"),
                              ("int4-8B-gate_up-b1", 1, 2 * _d8["F"], _d8["hidden"], "int4")]:
     _case(f"matvec-fused-norm-swiglu-{_n}", "matvec._matvec_kernel", _matvec(_M, _N, _K, _fmt, fused=True))
-    if _default_tile(_N, _K)["split_k"] > 1:
-        _case(f"splitk_reduce-fused-swiglu-{_n}", "matvec._splitk_reduce_kernel",
-              _matvec(_M, _N, _K, _fmt, fused=True))
 _case("matvec-fused-norm-bf16-1B-qkv-b1-acc", "matvec._matvec_kernel", _matvec(1, *_QKV1, "bf16", True, fused=True))
-for _n, _M, _N, _K, _fmt, _acc, _tile in _MATVECS:
-    if (_tile or _default_tile(_N, _K))["split_k"] > 1:
-        _case(f"splitk_reduce-{_n}", "matvec._splitk_reduce_kernel", _matvec(_M, _N, _K, _fmt, _acc, _tile))
+# split-K reduces in the matvec kernel itself (the last program of a tile): the GPU tiles above
+# (e.g. bf16-1B-o-b8-acc: split 4, int4-1B-down-b1-acc: split 4) compile that path
+assert sum(_default_tile(n, k)["split_k"] > 1 for _, _, n, k, *_ in _MATVECS) >= 3
 
 
 # -- token selection over the vocabulary ------------------------------------------------------------

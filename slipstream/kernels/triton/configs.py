@@ -52,6 +52,20 @@ class KernelConfigs:
     def matvec_for(self, m: int, n: int, k: int) -> dict[str, int]:
         return self.matvec.get(f"{m},{n},{k}") or default_matvec(n, k)
 
+    def attention_for(self, batch: int, context: int, kv_heads: int) -> dict[str, int]:
+        """The split-K attention's partition and tile for a (batch, context) bucket: the tuned ones,
+        and without a GPU (the interpreter) the stored defaults; untuned on a GPU, partitions short
+        enough that batch x kv heads x splits reach about the SM count (at least 95% of it; a power of
+        two, at least 16 tokens), each walked in one tile of up to 64 tokens (its block-table slice
+        loaded once)."""
+        if self.device or not torch.cuda.is_available():
+            return self.attention
+        enough = 0.95 * _sms()
+        part = 16
+        while batch * kv_heads * -(-context // (part * 2)) >= enough:
+            part *= 2
+        return {"partition": part, "block_n": min(part, 64)}
+
     def to_json(self) -> str:
         return json.dumps({"matvec": self.matvec, "attention": self.attention, "device": self.device},
                           indent=1, sort_keys=True)

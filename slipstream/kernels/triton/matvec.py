@@ -9,7 +9,8 @@ Weight formats (the same layouts as `slipstream/weights/quant.py`, so packed wei
                                                                 w = scale * q + min
 Grid (cdiv(N, BLOCK_N), SPLIT_K): each program computes all M rows for one tile of N over one
 K-range, accumulating in float32. With SPLIT_K > 1 the partials go to a [SPLIT_K, M, N] fp32
-workspace and are summed by a second deterministic kernel (no atomics). `accumulate=True` adds
+workspace; the last program of each N tile to finish (an int32 counter per tile, `locks`, zero
+between launches) sums them in split order (deterministic) and writes the output: one launch. `accumulate=True` adds
 the result into `out` (the engine's residual-add convention, `Linear(..., accumulate=True)`).
 Two fusions save the decode step launches: an RMSNorm prologue (`norm_weight`: every program takes
 its rows' statistics over all of K, then normalises each chunk as it loads it) and a SwiGLU
@@ -48,11 +49,12 @@ def _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT: tl.constex
 
 
 @triton.jit
-def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, M, N, K, stride_x, stride_out,
+def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_x, stride_out,
                    k_per_split, n_groups, eps,
                    FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   ACCUMULATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr):
+                   ACCUMULATE: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+                   SPLIT_PAD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -100,28 +102,24 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, M, N,
         tl.store(base, acc, mask=mn_mask)
         if GLU:
             tl.store(base + N, acc_up, mask=mn_mask)
-
-
-@triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, M, N, stride_out, SPLIT_K: tl.constexpr,
-                          SPLIT_PAD: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
-                          GLU: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    offs_s = tl.arange(0, SPLIT_PAD)
-    mask = offs < N
-    width = N * (1 + GLU)
-    pm = (offs_s[:, None] < SPLIT_K) & mask[None, :]
-    p = tl.load(part_ptr + (offs_s[:, None] * M + row) * width + offs[None, :], mask=pm, other=0.0)
-    y = tl.sum(p, axis=0)
-    if GLU:   # SwiGLU once the gate and up sums are complete
-        u = tl.sum(tl.load(part_ptr + (offs_s[:, None] * M + row) * width + N + offs[None, :], mask=pm,
-                           other=0.0), axis=0)
-        y = y / (1.0 + tl.exp(-y)) * u
-    o_ptrs = out_ptr + row * stride_out + offs
-    if ACCUMULATE:
-        y += tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        # the last of the tile's SPLIT_K programs to finish sums the partials (in split order, so the
+        # result does not depend on which one that is) and writes the output: no second launch
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            offs_s = tl.arange(0, SPLIT_PAD)
+            s_mask = offs_s < SPLIT_K
+            m3 = s_mask[:, None, None] & mn_mask[None, :, :]
+            p3 = part_ptr + (offs_s[:, None, None] * M + offs_m[None, :, None]) * width + offs_n[None, None, :]
+            y = tl.sum(tl.load(p3, mask=m3, other=0.0, cache_modifier=".cg"), axis=0)
+            if GLU:
+                u = tl.sum(tl.load(p3 + N, mask=m3, other=0.0, cache_modifier=".cg"), axis=0)
+                y = y / (1.0 + tl.exp(-y)) * u
+            o_ptrs = out_ptr + offs_m[:, None] * stride_out + offs_n[None, :]
+            if ACCUMULATE:
+                y += tl.load(o_ptrs, mask=mn_mask, other=0.0).to(tl.float32)
+            tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mn_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)    # ready for the next launch (a CUDA-graph replay)
 
 
 def _fmt_of(w: torch.Tensor, scale, mn) -> int:
@@ -137,7 +135,8 @@ def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
            mn: torch.Tensor | None = None, out: torch.Tensor | None = None, accumulate: bool = False,
            group: int = 32, block_n: int = 32, block_k: int = 64, split_k: int = 1,
            workspace: torch.Tensor | None = None, num_warps: int = 4,
-           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+           norm_weight: torch.Tensor | None = None, eps: float = 1e-6, glu: bool = False,
+           locks: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ out if accumulate). x [M, K]; see the module docstring for W's formats.
     Fusions: `norm_weight` applies RMSNorm to x first (y = rmsnorm(x) * norm_weight @ W^T, statistics
     in float32); `glu` treats W as fused gate/up rows [gate; up] (2N rows) and returns
@@ -166,25 +165,24 @@ def matvec(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
     width = N * (2 if glu else 1)
+    tiles = triton.cdiv(N, block_n)
     if split_k > 1:
         part = workspace if workspace is not None else torch.empty(
             (split_k, M, width), dtype=torch.float32, device=x.device)
         assert part.numel() >= split_k * M * width
+        if locks is None:
+            locks = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+        assert locks.dtype == torch.int32 and locks.numel() >= tiles
     else:
         part = out
     dummy = x
-    _matvec_kernel[(triton.cdiv(N, block_n), split_k)](
+    _matvec_kernel[(tiles, split_k)](
         x, w, scale if scale is not None else dummy, mn if mn is not None else dummy,
-        norm_weight if norm_weight is not None else dummy, out, part,
+        norm_weight if norm_weight is not None else dummy, out, part, locks if locks is not None else dummy,
         M, N, K, x.stride(0), out.stride(0), k_per_split, n_groups, float(eps),
         FMT=fmt, GROUP=group, BLOCK_M=max(triton.next_power_of_2(M), 1), BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k, ACCUMULATE=accumulate, NORM=norm_weight is not None, GLU=glu,
-        num_warps=num_warps)
-    if split_k > 1:
-        blk = min(1024, triton.next_power_of_2(N))
-        _splitk_reduce_kernel[(M, triton.cdiv(N, blk))](
-            part, out, M, N, out.stride(0), SPLIT_K=split_k,
-            SPLIT_PAD=max(triton.next_power_of_2(split_k), 2), BLOCK=blk, ACCUMULATE=accumulate, GLU=glu)
+        SPLIT_PAD=max(triton.next_power_of_2(split_k), 2), num_warps=num_warps)
     return out
 
 

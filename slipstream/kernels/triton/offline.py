@@ -57,7 +57,10 @@ class _Recorder:
 
 @contextlib.contextmanager
 def record() -> Iterator[list[Launch]]:
-    """Inside the block, kernel launches are recorded (in order) into the yielded list, not run."""
+    """Inside the block, kernel launches are recorded (in order) into the yielded list, not run (also
+    under TRITON_INTERPRET=1, where the kernels are interpreted functions: counting works, compiling
+    a recorded launch needs a process without the interpreter)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     out: list[Launch] = []
@@ -66,7 +69,7 @@ def record() -> Iterator[list[Launch]]:
         for mod_name in KERNEL_MODULES:
             mod = _module(mod_name)
             for attr, obj in list(vars(mod).items()):
-                if isinstance(obj, JITFunction) and attr.endswith("_kernel"):
+                if isinstance(obj, (JITFunction, InterpretedFunction)) and attr.endswith("_kernel"):
                     saved.append((mod, attr, obj))
                     setattr(mod, attr, _Recorder(f"{mod_name}.{attr}", obj, out))
         yield out
@@ -89,7 +92,8 @@ def compile_launch(launch: Launch, arch: int = ARCH, options: dict[str, Any] | N
     CUDA `arch`, specialised as a launch on that device would be."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile, make_backend
+    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import compile as triton_compile
 
     fn = launch.fn
     target = GPUTarget("cuda", arch, 32)
