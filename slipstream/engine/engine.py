@@ -33,7 +33,7 @@ from slipstream.runtime.registry import build_decoder, placement, resolve_runtim
 from slipstream.step import StepBuilder, StepInput
 from slipstream.structured.constraint import ConstraintError
 from slipstream.structured.grammar import Matcher, compile_constraint
-from slipstream.structured.masks import MaskJob, fill_masks, masked_copy
+from slipstream.structured.masks import MaskJob, MaskNow, fill_masks, masked_copy
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 KV_BUDGET_BYTES = 1 << 30   # KV-cache size when not given: up to twice the context, within this
@@ -99,6 +99,8 @@ class Engine:
             self.proposer = make_proposer(config.speculative, config.num_speculative_tokens, model, tokenizer)
         except ValueError as e:
             raise SlipstreamError(str(e)) from None
+        # grammar masks overlap the decode step only when the model runs off the CPU
+        self._masks_while_stepping = model.device.type != "cpu"
         self.spec_max_batch = config.speculative_max_batch
         self.needs_hidden = getattr(self.proposer, "needs_hidden", False)   # MTP reads the target's states
         if self.needs_hidden:
@@ -264,8 +266,9 @@ class Engine:
                     events += self._append(r, t, None, now)
             else:
                 constrained = [r.matcher for r in plan.decode]
-                # the grammar masks are filled on a helper thread while the model runs the step
-                job = MaskJob(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
+                # the grammar masks: filled on a helper thread while a GPU runs the step, else right here
+                masker = MaskJob if self._masks_while_stepping else MaskNow
+                job = masker(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
                 logits = self._decode(plan.decode)
                 events += self._sample(plan.decode, logits, job.result() if job is not None else None)
         if plan.prefill:

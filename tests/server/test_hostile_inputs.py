@@ -11,6 +11,7 @@ import pytest
 from slipstream.server.protocol import ERROR_CODES
 
 CHAT, COMP, TOK, DETOK = "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"
+RESP = "/v1/responses"
 MSGS = [{"role": "user", "content": "hi"}]
 JSON = {"content-type": "application/json"}
 
@@ -28,7 +29,7 @@ def case(id: str, path: str, body: object, method: str = "POST", headers: dict |
 
 
 # -- bodies that are not the JSON object we want ----------------------------------------------------
-for p in (CHAT, COMP, TOK, DETOK):
+for p in (CHAT, COMP, TOK, DETOK, RESP):
     tag = p.strip("/").replace("/", "-")
     case(f"{tag}-empty-body", p, b"")
     case(f"{tag}-malformed", p, b'{"messages": [')
@@ -136,6 +137,82 @@ case("infinity", CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p
 case("duplicate-keys", COMP, b'{"prompt": "a", "prompt": "b", "max_tokens": 1}')
 case("long-model-name", CHAT, {"model": "m" * 100_000, "messages": MSGS})
 
+# -- structured output and tools: bad schemas, grammars, tools, tool_choice -----------------------------------
+def _schema(schema: object, name: object = "x") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+STRUCTURED_BAD = {
+    "schema-invalid-type": {"response_format": _schema({"type": "strin"})},
+    "schema-lookbehind-pattern": {"response_format": _schema({"type": "string", "pattern": "(?<=a)b"})},
+    "schema-not-an-object": {"response_format": _schema("x")},
+    "schema-without-name": {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+    "schema-name-too-long": {"response_format": _schema({}, "n" * 65)},
+    "response-format-yaml": {"response_format": {"type": "yaml"}},
+    "guided-json-not-json": {"guided_json": "{not json"},
+    "grammar-unbalanced": {"guided_grammar": "root ::= ("},
+    "grammar-empty": {"guided_grammar": "  "},
+    "regex-unbalanced": {"guided_regex": "(["},
+    "regex-lookahead": {"structured_outputs": {"regex": "a(?=b)"}},
+    "choice-empty": {"guided_choice": []},
+    "structured-two-keys": {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+    "structured-unknown-key": {"structured_outputs": {"yaml": "a"}},
+    "structured-choice-not-list": {"structured_outputs": {"choice": "a"}},
+    "two-constraints": {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+    "tool-without-name": {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+    "tool-empty-name": {"tools": [{"type": "function", "function": {"name": " "}}]},
+    "tool-name-with-space": {"tools": [{"type": "function", "function": {"name": "get weather"}}]},
+    "tool-not-a-function": {"tools": [{"type": "web_search"}]},
+    "tool-parameters-string": {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+    "tool-duplicate-names": {"tools": [FN, FN]},
+    "tool-choice-unknown-function": {"tools": [FN], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    "tool-choice-bad-shape": {"tools": [FN], "tool_choice": {"type": "function"}},
+    "tool-choice-bad-string": {"tools": [FN], "tool_choice": "always"},
+    "tool-choice-without-tools": {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    "tool-required-bad-schema": {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+    "tool-choice-with-response-format": {"tools": [FN], "tool_choice": "required",
+                                         "response_format": {"type": "json_object"}},
+    "tool-message-without-call-id": {"messages": [{"role": "tool", "content": "3"}]},
+    "tool-calls-on-a-user-message": {"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+    "tool-call-without-function": {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+    "template-kwargs-override-messages": {"chat_template_kwargs": {"messages": []}},
+    "template-kwargs-not-object": {"chat_template_kwargs": "x"},
+}
+for name, extra in STRUCTURED_BAD.items():
+    case(f"chat-{name}", CHAT, {"messages": MSGS, "max_tokens": 1, **extra})
+case("completion-bad-schema", COMP, {"prompt": "Hi", "max_tokens": 1, "response_format": _schema({"type": 5})})
+case("completion-bad-regex", COMP, {"prompt": "Hi", "max_tokens": 1, "guided_regex": "a{2,1}"})
+case("completion-tools", COMP, {"prompt": "Hi", "max_tokens": 1, "tools": [FN]})
+
+# -- the Responses API ---------------------------------------------------------------------------------------
+for name, body in {
+    "previous-response-id": {"input": "hi", "previous_response_id": "resp_1"},
+    "no-input": {"instructions": "x"},
+    "input-number": {"input": 5},
+    "input-empty-list": {"input": []},
+    "input-unknown-item": {"input": [{"type": "computer_call", "id": "x"}]},
+    "input-bad-role": {"input": [{"role": "robot", "content": "x"}]},
+    "input-image-part": {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    "input-call-without-id": {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+    "output-without-call-id": {"input": [{"type": "function_call_output", "output": "x"}]},
+    "tool-web-search": {"input": "hi", "tools": [{"type": "web_search"}]},
+    "tool-without-name": {"input": "hi", "tools": [{"type": "function", "parameters": {}}]},
+    "tool-choice-unknown": {"input": "hi", "tools": [{"type": "function", "name": "f"}],
+                            "tool_choice": {"type": "function", "name": "g"}},
+    "format-schema-without-name": {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}},
+    "format-bad-schema": {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                             "schema": {"type": "strin"}}}},
+    "format-not-object": {"input": "hi", "text": {"format": "json"}},
+    "max-output-tokens-0": {"input": "hi", "max_output_tokens": 0},
+    "temperature-3": {"input": "hi", "temperature": 3},
+    "unknown-field": {"input": "hi", "frobnicate": 1},
+    "metadata-not-strings": {"input": "hi", "metadata": {"a": 1}},
+}.items():
+    case(f"responses-{name}", RESP, body)
+
 # -- routes, methods, headers --------------------------------------------------------------------------------
 case("unknown-route", "/v1/nothing", {})
 case("get-chat", CHAT, None, method="GET")
@@ -154,6 +231,10 @@ case("ok-four-stops", CHAT, {"messages": MSGS, "max_tokens": 1, "stop": ["a", "b
 case("ok-n2-logprobs", CHAT, {"messages": MSGS, "max_tokens": 1, "n": 2, "logprobs": True, "top_logprobs": 2})
 case("ok-ids", COMP, {"prompt": [1, 2, 3], "max_tokens": 1})
 case("ok-stream", COMP, {"prompt": "Hi", "max_tokens": 1, "stream": True})
+case("ok-json-object", CHAT, {"messages": MSGS, "max_tokens": 2, "response_format": {"type": "json_object"}})
+case("ok-choice", COMP, {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"choice": ["a", "b"]}})
+case("ok-tool-required", CHAT, {"messages": MSGS, "max_tokens": 2, "tools": [FN], "tool_choice": "required"})
+case("ok-responses", RESP, {"input": "Hi", "max_output_tokens": 2})
 case("ok-deep-but-allowed", TOK, {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
 
 
@@ -176,3 +257,16 @@ def test_bad_input_is_4xx_never_5xx(server, method, path, body, headers):
             for leak in ("Traceback", "RecursionError", "UnicodeEncodeError", "File \""):
                 assert leak not in err["message"], err
         assert h.get(server + "/health").status_code == 200, "the server must stay healthy"
+
+
+REFUSED = [c for c in CASES if c[0].startswith(("responses-", "completion-bad-", "completion-tools"))
+           or any(c[0] == f"chat-{name}" for name in STRUCTURED_BAD)]
+
+
+@pytest.mark.parametrize("method,path,body,headers", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_bad_schemas_grammars_and_tools_are_refused_with_a_reason(server, method, path, body, headers):
+    """Not just "not a 5xx": each of these is a 400 naming what is wrong."""
+    r = httpx.request(method, server + path, content=json.dumps(body).encode(), headers=headers, timeout=60)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["message"] and err["code"] in ERROR_CODES, err

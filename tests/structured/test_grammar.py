@@ -126,3 +126,13 @@ def test_apply_masks_touches_only_the_given_rows():
     kept = (logits[1] > float("-inf")).nonzero().flatten().tolist()
     assert kept == [0, 2, 65]
     assert torch.equal(logits[1, kept], before[1, kept])
+
+
+def test_the_helper_thread_fills_the_same_masks(tok):
+    """MaskJob (masks computed while a GPU runs the step) gives what filling them here gives."""
+    from slipstream.structured.masks import MaskJob, MaskNow
+
+    matchers = [_matcher(tok, Constraint.json_schema(SCHEMA)), None, _matcher(tok, Constraint.choice(["ab", "c"]))]
+    assert torch.equal(MaskJob(matchers, tok.vocab_size).result(), MaskNow(matchers, tok.vocab_size).result())
+    assert torch.equal(MaskNow(matchers, tok.vocab_size).result()[1], torch.full((tok.vocab_size // 32,), -1,
+                                                                                 dtype=torch.int32))
