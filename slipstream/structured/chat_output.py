@@ -188,7 +188,8 @@ class ChatOutput:
         for c in calls:
             i = len(self.tool_calls)
             cid = call_id()
-            self.tool_calls.append({"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
+            self.tool_calls.append({"id": cid, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}})
             out.append({"tool_calls": [{"index": i, "id": cid, "type": "function",
                                         "function": {"name": c.name, "arguments": ""}}]})
             out.append({"tool_calls": [{"index": i, "function": {"arguments": c.arguments}}]})

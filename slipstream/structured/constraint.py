@@ -34,7 +34,8 @@ class Constraint:
     def json_schema(schema: dict[str, Any] | bool) -> Constraint:
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError("a JSON schema must be an object", "invalid_json_schema")
-        return Constraint("json_schema", json.dumps(schema, separators=(",", ":")))   # key order kept: it is the output's
+        # the key order is kept: properties are generated in it
+        return Constraint("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @staticmethod
     def json_object() -> Constraint:

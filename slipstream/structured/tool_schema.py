@@ -100,7 +100,8 @@ def _complete_items(text: str) -> list[Any]:
     body = text.lstrip()
     if not body.startswith("["):
         return []
-    dec, i, out = json.JSONDecoder(), 1, []
+    dec, i = json.JSONDecoder(), 1
+    out: list[Any] = []
     while True:
         while i < len(body) and body[i] in " \t\r\n,":
             i += 1

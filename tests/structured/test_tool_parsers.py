@@ -26,7 +26,8 @@ SAMPLES = {
     # DeepSeek-V3-0324: function<sep>name, the arguments in a fenced json block
     "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                     '{"city": "Paris", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
-                    '<｜tool▁sep｜>get_time\n```json\n{"tz": "Europe/Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                    '<｜tool▁sep｜>get_time\n```json\n{"tz": "Europe/Paris"}\n```<｜tool▁call▁end｜>'
+                    '<｜tool▁calls▁end｜>',
                     ""),
     # GLM-4.5: name on the first line, one key/value tag pair per argument
     "glm45": ("Let me look that up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
@@ -58,7 +59,8 @@ def test_llama3_python_tag_and_mistral_v11_and_deepseek_v31():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"})]
     # V3.1 drops the "function" type and the fence
     _, calls = make_parser("deepseek_v3").parse(
-        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "UTC"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "UTC"}<｜tool▁call▁end｜>'
+        '<｜tool▁calls▁end｜>')
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "UTC"})]
 
 
@@ -81,9 +83,9 @@ def test_a_call_cut_off_by_max_tokens_is_not_invented():
 
 
 @pytest.mark.parametrize("template,parser", [
-    ("{%- if tools %}<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>", "hermes"),
-    ("{%- if tools %}{{- '<tool_call>' + tool_call.name }}{% for k, v in args %}<arg_key>{{ k }}</arg_key>", "glm45"),
-    ("{% if tools %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>'}}", "deepseek_v3"),
+    ("{%- if tools %}<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json>}\\n</tool_call>", "hermes"),
+    ("{%- if tools %}{{- '<tool_call>' + tool_call.name }}{% for k, v in a %}<arg_key>{{ k }}</arg_key>", "glm45"),
+    ("{% if tools %}{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + t['type'] + '<｜tool▁sep｜>'}}", "deepseek_v3"),
     ("{{- \"[AVAILABLE_TOOLS] \" }}{{- tools|tojson }}{{- \"[TOOL_CALLS] \" }}", "mistral"),
     ("{%- if builtin_tools is defined or tools is not none %}{{- \"<|python_tag|>\" }}", "llama3_json"),
     ("{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>'}}", None),
