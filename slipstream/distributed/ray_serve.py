@@ -131,7 +131,7 @@ def deploy(model: str | None, engine_config: Any, server_config: Any, opts: Repl
 
     from slipstream.distributed.replica import ReplicaServer
 
-    serve.start(proxy_location="Disabled")
+    _start_serve()
     threads = opts.thread_count()
     env = {"SLIPSTREAM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     make: Any = serve.deployment
@@ -146,6 +146,24 @@ def deploy(model: str | None, engine_config: Any, server_config: Any, opts: Repl
         return list(serve.run_many(targets))
     except RuntimeError as e:
         raise SlipstreamError(f"the replicas could not start: {e}") from None
+
+
+def _start_serve(attempts: int = 10) -> None:
+    """Start Serve's controller on the cluster, or connect to the one running there. Two commands
+    joining one cluster at once may race to create it: the loser connects to the winner's."""
+    import time
+
+    from ray import serve
+    from ray.exceptions import ActorAlreadyExistsError
+
+    for attempt in range(attempts):
+        try:
+            serve.start(proxy_location="Disabled")
+            return
+        except ActorAlreadyExistsError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(1.0)
 
 
 def load_tokenizer(model: str | None) -> Any:

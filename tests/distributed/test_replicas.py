@@ -261,6 +261,11 @@ def test_killing_a_replica_during_load(servers: dict[str, ReplicaServer]):
     assert len(outcomes) == 6 and all(o in ("ok:length", "error:APIError") or o.startswith("error:")
                                       for o in outcomes.values()), outcomes
     assert "no-finish" not in outcomes.values()
+    m = srv.metrics()   # the kill hit work in flight: retried elsewhere (not yet answered) or cut mid-stream
+    assert victim["inflight"] >= 1
+    assert m["slipstream_router_retries_total"] + m["slipstream_router_streams_cut_total"] >= 1, outcomes
+    cut = int(m["slipstream_router_streams_cut_total"])
+    assert sum(o.startswith("error:") for o in outcomes.values()) >= cut
     t0 = time.monotonic()
     while time.monotonic() - t0 < STARTUP_TIMEOUT:   # Ray Serve starts a new replica in its place
         reps = srv.health()["replicas"]
