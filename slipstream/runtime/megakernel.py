@@ -74,11 +74,55 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
     """(acc_a, acc_b): acc_a[b, j] = sum_k xin[b, k] * W[row_a + j, k] for j < n_rows, and acc_b the
     same at row_b when TWO (gate and up, or the two RoPE halves: both tiles' loads issued together);
     xin = x * rstd * norm_weight when NORM (the fused RMSNorm), else x. Float32 accumulation.
+    Batch 1-2: `_mv_wide` (no reduction, conversion or barrier per K-step); batch 4-8: `_mv_rows`
+    (a [batch, TILE, K-chunk] accumulator would spill there, so it reduces over K every step)."""
+    if BLOCK_B >= 4:
+        ya, yb = _mv_rows(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+                          NORM, TWO, TILE, BLOCK_K, BLOCK_B)
+    else:
+        ya, yb = _mv_wide(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+                          NORM, TWO, TILE, BLOCK_K, BLOCK_B)
+    return ya, yb
 
-    Built for the compiled loop: every operand is a [BLOCK_B, TILE, BLOCK_K] tensor of one layout (no
-    layout conversion, so no shared-memory round trip or barrier per K-step), products accumulate
-    element-wise and are reduced over K once after the loop (no shuffles per K-step), and the next
-    two K-chunks are loaded per step before either is used (two chunks in flight)."""
+
+@triton.jit
+def _mv_rows(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+             NORM: tl.constexpr, TWO: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_B: tl.constexpr):
+    """`_mv_tile` for several rows: [B, K-chunk] x [TILE, K-chunk] products reduced over K each step."""
+    j = tl.arange(0, TILE)
+    r_mask = j < n_rows
+    ra = (row_a + j).to(tl.int64)
+    rb = (row_b + j).to(tl.int64)
+    acc_a = tl.zeros((BLOCK_B, TILE), tl.float32)
+    acc_b = tl.zeros((BLOCK_B, TILE), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        wm = r_mask[:, None] & k_mask[None, :]
+        wa = tl.load(w_ptr + ra[:, None] * K + offs_k[None, :], mask=wm, other=0.0)
+        wb = wa
+        if TWO:
+            wb = tl.load(w_ptr + rb[:, None] * K + offs_k[None, :], mask=wm, other=0.0)
+        x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
+                    mask=b_mask[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            x = x * rstd[:, None] * nw[None, :]
+        acc_a += tl.sum(x[:, None, :] * wa.to(tl.float32)[None, :, :], axis=2)
+        if TWO:
+            acc_b += tl.sum(x[:, None, :] * wb.to(tl.float32)[None, :, :], axis=2)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _mv_wide(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+             NORM: tl.constexpr, TWO: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_B: tl.constexpr):
+    """`_mv_tile` at batch 1-2, built for the compiled loop: every operand is a [BLOCK_B, TILE, BLOCK_K]
+    tensor of one layout (no layout conversion, so no shared-memory round trip or barrier per K-step),
+    products accumulate element-wise and are reduced over K once after the loop (no shuffles per
+    K-step), and two K-chunks are loaded per step before either is used (two chunks in flight)."""
     j = tl.arange(0, TILE)[None, :, None]
     kk = tl.arange(0, BLOCK_K)[None, None, :]
     b3 = offs_b[:, None, None]
@@ -86,11 +130,8 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
     r_mask = j < n_rows
     pa = w_ptr + (row_a + j).to(tl.int64) * K + kk
     pb = w_ptr + (row_b + j).to(tl.int64) * K + kk
-    # batch >= 4: reduce over K every step (a [B, TILE, BLOCK_K] accumulator would spill there)
-    EACH: tl.constexpr = BLOCK_B >= 4
-    ACC_K: tl.constexpr = 1 if EACH else BLOCK_K
-    acc_a = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
-    acc_b = tl.zeros((BLOCK_B, TILE, ACC_K), tl.float32)
+    acc_a = tl.zeros((BLOCK_B, TILE, BLOCK_K), tl.float32)
+    acc_b = tl.zeros((BLOCK_B, TILE, BLOCK_K), tl.float32)
     # x and the norm weight are loaded at the tile's full shape (addresses repeat along TILE): they
     # then share the weights' layout, where a [B, 1, BLOCK_K] load would need a conversion per step
     jz = j * 0
@@ -113,20 +154,12 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
         x1 = tl.load(px + k1, mask=bm3 & m1, other=0.0, cache_modifier=".cg")
         if NORM:
             x0 = x0 * rstd[:, None, None] * tl.load(pn + k0, mask=(jz + k0 + kk) < K, other=0.0,
-                                                          cache_modifier=".cg").to(tl.float32)
+                                                    cache_modifier=".cg").to(tl.float32)
             x1 = x1 * rstd[:, None, None] * tl.load(pn + k1, mask=(jz + k1 + kk) < K, other=0.0,
-                                                          cache_modifier=".cg").to(tl.float32)
-        pa_ = x0 * wa0.to(tl.float32) + x1 * wa1.to(tl.float32)
-        if EACH:
-            acc_a += tl.sum(pa_, axis=2, keep_dims=True)
-        else:
-            acc_a += pa_
+                                                    cache_modifier=".cg").to(tl.float32)
+        acc_a += x0 * wa0.to(tl.float32) + x1 * wa1.to(tl.float32)
         if TWO:
-            pb_ = x0 * wb0.to(tl.float32) + x1 * wb1.to(tl.float32)
-            if EACH:
-                acc_b += tl.sum(pb_, axis=2, keep_dims=True)
-            else:
-                acc_b += pb_
+            acc_b += x0 * wb0.to(tl.float32) + x1 * wb1.to(tl.float32)
     return tl.sum(acc_a, axis=2), tl.sum(acc_b, axis=2)
 
 
@@ -487,8 +520,8 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
     def bk(tile: int, k: int) -> int:
         if block_k:
             return block_k
-        if B >= 4:    # per-step reduction (see _mv_tile): the old chunk
-            return 128 if p.batch <= 2 else 64
+        if B >= 4:    # `_mv_rows`: the smallest chunk whose [TILE, chunk] tile still loads 16 bytes
+            return max(16, min(MV_ROWS_ELEMENTS // _pow2(tile), 128, _pow2(k)))   # per thread (8 bf16)
         return max(MIN_BK, min(ACC_ELEMENTS // (B * _pow2(tile)), 512, _pow2(k)))
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
                 S_BLOCK=min(max(_pow2(p.splits), 2), 16), P=t.partition, BLOCK_SIZE=p.block_size,
@@ -499,6 +532,7 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
                 BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head)
 
 
+MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)
 ACC_ELEMENTS = 8192   # 32 float32 registers per thread at 8 warps
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 

@@ -126,14 +126,8 @@ def test_unsupported_models_are_refused():
 
 
 @pytest.mark.parametrize("shape,batch,profile", [
-    pytest.param("dense-1B", 1, True, marks=pytest.mark.xfail(
-        strict=True, reason="the 8-row O/DOWN tiles that fill 132 SMs still convert layouts (4 barriers per "
-                            "K step); the QKV, gate/up and LM-head loops have none: issue 18, open")),
-    pytest.param("dense-1B", 8, False, marks=pytest.mark.xfail(
-        strict=True, reason="at batch 8 the 8-row O/DOWN loop loads 12 bytes per thread, not 16, and reduces "
-                            "over K every step (2 barriers, 40 shuffles): issue 18, open")),
-    pytest.param("dense-8B", 8, False, marks=pytest.mark.xfail(
-        strict=True, reason="spills ~336 bytes at 8B batch 8 (the [8, 64, 64] QKV products): issue 18, open")),
+    ("dense-1B", 1, True), ("dense-8B", 1, False), ("dense-1B", 8, False),
+    ("dense-8B", 8, False),
 ])
 def test_megakernel_compiles_for_hopper(shape, batch, profile):
     """Triton's ahead-of-time compiler, targeting sm_90a, on the benchmark shapes (no GPU needed); a

@@ -70,24 +70,49 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, lock_
                          mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
             ss += tl.sum(xk * xk, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = x * rstd[:, None] * nw[None, :]
-        wm = n_mask[:, None] & k_mask[None, :]
-        w = _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT, GROUP)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        if GLU:   # the up-projection rows N + n of the fused gate/up weight
-            wu = _load_w(w_ptr, s_ptr, mn_ptr, rows + N, offs_k, wm, K, n_groups, FMT, GROUP)
-            acc_up += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        # one row: products accumulate element-wise in the weight tile's layout and are reduced once
+        # after the loop (no shuffles or barriers per K-step); x and the norm weight are loaded at the
+        # tile's shape (addresses repeat along N) so that they share that layout
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        acc2_up = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+        nz = rows[:, None] * 0
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            wm = n_mask[:, None] & k_mask[None, :]
+            w = _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT, GROUP)
+            wu = w
+            if GLU:   # the up-projection rows N + n of the fused gate/up weight, loaded with the gate's
+                wu = _load_w(w_ptr, s_ptr, mn_ptr, rows + N, offs_k, wm, K, n_groups, FMT, GROUP)
+            x = tl.load(x_ptr + nz + offs_k[None, :], mask=wm, other=0.0).to(tl.float32)   # M == 1
+            if NORM:
+                nw = tl.load(nw_ptr + nz + offs_k[None, :], mask=wm, other=0.0).to(tl.float32)
+                x = x * rstd[:, None] * nw
+            acc2 += x * w
+            if GLU:
+                acc2_up += x * wu
+        acc = tl.sum(acc2, axis=1)[None, :]
+        acc_up = tl.sum(acc2_up, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < k_hi
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+                x = x * rstd[:, None] * nw[None, :]
+            wm = n_mask[:, None] & k_mask[None, :]
+            w = _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT, GROUP)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+            if GLU:   # the up-projection rows N + n of the fused gate/up weight
+                wu = _load_w(w_ptr, s_ptr, mn_ptr, rows + N, offs_k, wm, K, n_groups, FMT, GROUP)
+                acc_up += tl.sum(x[:, None, :] * wu[None, :, :], axis=2)
     mn_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if GLU:
