@@ -7,7 +7,7 @@
 Cache-aware routing keeps, per replica, the chained hashes of the KV blocks of every prompt routed
 to it (an LRU set: the same hashes `kv.prefix_cache` registers, so a hash names a whole prefix). A
 request's prompt is walked block by block; the replica holding the longest run of leading blocks
-wins. When the best match covers less than `min_match` of the prompt's blocks (a new conversation
+wins. When the best match covers at most `min_match` of the prompt's blocks (a new conversation
 that shares only a system prompt with others), or when the winner has more than `load_threshold`
 requests in flight beyond the least loaded replica, it goes to the least loaded one instead (in
 turn among equals, so new conversations spread over the replicas).
@@ -99,7 +99,7 @@ class Router:
             m = self._matched(r, key.blocks)
             if m > matched or (m == matched and m > 0 and r.inflight < best.inflight):
                 best, matched = r, m
-        if matched == 0 or matched < self.min_match * len(key.blocks):
+        if matched == 0 or matched <= self.min_match * len(key.blocks):
             return Decision(least.index, "no-prefix", matched)
         if best.inflight - least.inflight > self.load_threshold:
             return Decision(least.index, "load-bound", matched)

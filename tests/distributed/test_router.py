@@ -52,6 +52,9 @@ def test_a_shared_system_prompt_alone_does_not_pull_new_conversations_together()
     system = list(range(16))                           # one block shared by every conversation
     homes = {send(r, system + list(range(1000 * c, 1000 * c + 96))) for c in range(1, 5)}
     assert homes == {0, 1}
+    r = ready(Router(2, "cache-aware"))                # exactly a quarter of the blocks shared: still new
+    homes = {send(r, system + list(range(1000 * c, 1000 * c + 48))) for c in range(1, 5)}
+    assert homes == {0, 1}
 
 
 def test_load_bound_falls_back_to_the_least_loaded():
