@@ -9,9 +9,10 @@ parallelism over torch.distributed.
     ingress.py          the one endpoint: guard, routing, proxying, retries, /health, /metrics
     metrics.py          replicas' Prometheus texts -> one text (per-replica labels plus totals)
     ray_serve.py        `slipstream serve --replicas N`: the Ray cluster, the deployments, the ingress
-    tensor_parallel.py  `--tensor-parallel N`: sharded weights and a sharded forward per rank
-    tp_worker.py        ranks > 0 following rank 0's step descriptions
+    tensor_parallel.py  `--tensor-parallel N`: sharded weights and a sharded forward per rank; rank 0's
+                        model for the engine, and `follow` for the other ranks
+    tp_launch.py        the group: this process as rank 0, ranks 1..N-1 spawned, the LLM over the shards
 
 Nothing here is imported by `slipstream`, the engine or the server: Ray is needed only to serve
-replicas (`pip install slipstream[distributed]`).
+replicas (`pip install slipstream[distributed]`). docs/DISTRIBUTED.md describes both.
 """
