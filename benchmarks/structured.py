@@ -55,7 +55,7 @@ def main() -> None:
 
     llm = LLM(enable_merging=False)
     constraint = Constraint.json_schema(SCHEMA)
-    results = {"machine": platform.processor() or platform.machine(), "model": llm.model_name,
+    results = {"machine": _cpu_name(), "model": llm.model_name,
                "schema": SCHEMA, "runs": args.runs, "batches": {}}
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = [f"List 12 {TOPICS[i % len(TOPICS)]} as JSON." for i in range(b)]
@@ -77,6 +77,17 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _plain_batch(llm, prompts: list[str], params: list) -> float:
