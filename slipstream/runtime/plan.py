@@ -93,7 +93,8 @@ def default_tiles(cfg: ModelConfig, max_context: int, num_programs: int, fill: b
     while rows > 16 and cdiv(cfg.hidden_size, rows) < enough:
         rows //= 2
     part = 16
-    while cfg.num_kv_heads * cdiv(max_context, part * 2) >= enough:
+    # (bounded by the context: with few programs, e.g. 1 under the interpreter, the count never drops below)
+    while part < max_context and cfg.num_kv_heads * cdiv(max_context, part * 2) >= enough:
         part *= 2
     return dataclasses.replace(base, o=rows, down=rows, partition=part)
 
