@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,15 +126,28 @@ def test_unsupported_models_are_refused():
         MegakernelDecoder(model, model.new_kv_cache(8, BLOCK), max_batch=1, max_context=16)
 
 
+TRITON36 = Path(__file__).resolve().parents[2] / "build" / "venv-triton36" / "bin" / "python"
+_SPILL_36 = pytest.mark.xfail(strict=True, reason="with Triton 3.6 (the GPU machine's) the dense-8B kernel "
+                                                  "spills 80-96 bytes: issue 18, open")
+
+
+@pytest.mark.parametrize("triton_build", ["installed", "triton-3.6"])
 @pytest.mark.parametrize("shape,batch,profile", [
-    ("dense-1B", 1, True), ("dense-8B", 1, False), ("dense-1B", 8, False),
-    ("dense-8B", 8, False),
+    ("dense-1B", 1, True), ("dense-8B", 1, False), ("dense-1B", 8, False), ("dense-8B", 8, False),
 ])
-def test_megakernel_compiles_for_hopper(shape, batch, profile):
+def test_megakernel_compiles_for_hopper(shape, batch, profile, triton_build, request):
     """Triton's ahead-of-time compiler, targeting sm_90a, on the benchmark shapes (no GPU needed); a
     ptxas error fails. Spill stack <= 64 bytes; every matvec call site's K loop loads its weights 16
     bytes at a time and, at batch 1-2, holds no barrier (no layout conversion through shared memory).
-    In a subprocess: this process runs Triton's interpreter, which replaces the JIT functions."""
+    In a subprocess: this process runs Triton's interpreter, which replaces the JIT functions. Also
+    with the GPU machine's Triton 3.6 when `bash benchmarks/triton36_venv.sh` has made its venv."""
+    python = sys.executable
+    if triton_build == "triton-3.6":
+        if not TRITON36.exists():
+            pytest.skip(f"no Triton 3.6 venv at {TRITON36} (run `bash benchmarks/triton36_venv.sh`)")
+        python = str(TRITON36)
+        if shape == "dense-8B":
+            request.applymarker(_SPILL_36)
     prefetch = int(profile)   # the profiled variant also carries the L2 prefetch
     code = f"""
 import ast, sys
@@ -150,23 +164,32 @@ ptx = kernel.asm["ptx"]
 assert ("globaltimer" in ptx) == {profile}
 use = mk.resource_usage(kernel.asm["cubin"])
 assert use["stack"] <= 64, use
-src = open(mk.__file__).read().splitlines()
-calls = {{i + 1 for i, t in enumerate(src) if "_mv_tile(" in t and "def " not in t}}
-seen = set()
+src = open(mk.__file__).read()
+lines_of = src.splitlines()
+calls = {{i + 1 for i, t in enumerate(lines_of) if "_mv_tile(" in t and "def " not in t}}
+# the helpers' own lines (Triton 3.6 attributes inlined code to them, 3.9 to the call site)
+helpers = set()
+for node in ast.walk(ast.parse(src)):
+    if isinstance(node, ast.FunctionDef) and node.name in ("_mv_wide", "_mv_rows"):
+        helpers |= set(range(node.body[0].lineno, node.end_lineno + 1))
+seen, found = set(), 0
 for lp in sass.loops(sass.disassemble(kernel.asm["cubin"])):
-    lines = {{ln for f, ln in lp.lines() if f == "megakernel.py"}} & calls
-    if not lp.innermost or not lines:
+    lines = {{ln for f, ln in lp.lines() if f == "megakernel.py"}}
+    if not lp.innermost or not (lines & (calls | helpers)):
         continue
-    seen |= lines
-    assert lp.counts["LDG16"] >= 1, (sorted(lines), lp.summary())
+    seen |= lines & calls
+    found += 1
+    assert lp.counts["LDG16"] >= 1, (sorted(lines)[:8], lp.summary())
     if {batch} <= 2:
-        assert lp.counts["BAR"] == 0 and lp.counts["SHFL"] == 0, (sorted(lines), lp.summary())
-# every call site has its loop (ptxas may merge two identical ones: O and DOWN share a tile shape)
-assert len(seen) >= len(calls) - 1, (sorted(seen), sorted(calls))
+        assert lp.counts["BAR"] == 0 and lp.counts["SHFL"] == 0, (sorted(lines)[:8], lp.summary())
+# every call site has its loop (ptxas may merge two identical ones: O and DOWN share a tile shape);
+# where the line info names only the helpers (Triton 3.6), at least one loop per distinct tile shape
+assert len(seen) >= len(calls) - 1 if seen else found >= 3, (sorted(seen), sorted(calls), found)
 print("entry" if ".entry _megakernel" in ptx else "no entry")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("entry") and "no entry" not in out.stdout
