@@ -195,7 +195,7 @@ def bad_inputs(tmp_path_factory, llm) -> dict[str, tuple[list[str], list[str]]]:
     embd = {"token_embd.weight": (np.zeros((32, 256), np.float32), None)}
     arch = _write_gguf(root / "gpt2.gguf", "gpt2", embd)
     cases["unsupported_arch"] = ([str(arch)], ["architecture", "gpt2"])
-    for q in ("Q2_K", "IQ2_XXS"):
+    for q in ("TQ1_0", "IQ2_XXS"):   # types llama.cpp has and Slipstream does not read
         f = _write_gguf(root / f"{q}.gguf", "llama", _tiny_llama_tensors(q))
         cases[f"unsupported_quant_{q}"] = ([str(f)], [q, "blk.0.ffn_down.weight"])
     text = root / "notes.gguf"
@@ -252,7 +252,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, expected: list[str
 
 
 BAD = ["missing_file", "not_a_gguf", "truncated_gguf", "unsupported_arch",
-       "unsupported_quant_Q2_K", "unsupported_quant_IQ2_XXS",
+       "unsupported_quant_TQ1_0", "unsupported_quant_IQ2_XXS",
        "missing_shard", "prompt_too_long", "bad_temperature", "bad_top_p"]
 
 
@@ -264,7 +264,7 @@ def test_generate_bad_input(case, bad_inputs):
     _assert_one_line_error(run_cli("generate", *args, "--max-tokens", "4"), expected)
 
 
-@pytest.mark.parametrize("case", ["missing_file", "unsupported_quant_Q2_K", "bad_temperature"])
+@pytest.mark.parametrize("case", ["missing_file", "unsupported_quant_TQ1_0", "bad_temperature"])
 def test_chat_bad_input(case, bad_inputs):
     args, expected = bad_inputs[case]
     _assert_one_line_error(run_cli("chat", *args, stdin="Hello\n/exit\n"), expected)

@@ -4,8 +4,10 @@ A `Linear` holds an [N, K] weight in one of three ways:
 - dense: a float32 tensor;
 - re-blocked into the native kernels' own layouts (`kernels/cpu/simd.h`), from Q4_0, Q4_1, Q4_K
   (as Q4_F32, our name for Q4_K in groups of 32 with float32 scale and min) and Q8_0:
-    4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` float32 [N, K/32]; w = scale * q + min
-    8-bit: `data` int8 [N, K], `scale` float32 [N, K/32];                      w = scale * q
+    4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` [N, K/32]; w = scale * q + min
+    8-bit: `data` int8 [N, K], `scale` [N, K/32];                      w = scale * q
+  with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0) or fp32 (Q4_K's products of a
+  fp16 scale and a 6-bit one);
 - raw: every other ggml type (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, F16, BF16) as the file's own
   blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h` decodes
   them block by block inside the products).
@@ -57,8 +59,9 @@ def matvec_only() -> Iterator[None]:
         _path.matvec_only = old
 
 
-def _f16_to_f32(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).to(torch.float32).squeeze(-1)
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes per value (last axis) -> float16 values."""
+    return b.contiguous().view(torch.float16).squeeze(-1).contiguous()
 
 
 @dataclass
@@ -67,8 +70,8 @@ class Linear:
     k: int                              # input features
     data: torch.Tensor                  # float32 [N, K] | uint8 [N, K/2] | int8 [N, K]
     fmt: int | None = None              # None = dense, else the ggml format it came from
-    scale: torch.Tensor | None = None   # float32 [N, K/32]
-    min: torch.Tensor | None = None     # float32 [N, K/32] (4-bit formats)
+    scale: torch.Tensor | None = None   # float32 or float16 [N, K/32]
+    min: torch.Tensor | None = None     # [N, K/32] (4-bit formats), the scale's dtype
     bias: torch.Tensor | None = None
     parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
 
@@ -127,15 +130,19 @@ class Linear:
             raise ValueError(f"a {FORMAT_NAMES[fmt]} row of {k} weights needs "
                              f"{k // 32 * BLOCK_BYTES[fmt]} bytes, got {raw.shape[1]}")
         b = raw.view(n, k // 32, BLOCK_BYTES[fmt])
+        # Q4_0, Q4_1 and Q8_0 keep their fp16 scales (the kernels widen a row's scales as they go):
+        # 5 bits per weight for Q4_1 instead of 6 with fp32 scales and mins
         if fmt == Q8_0:
-            return Linear(n, k, b[..., 2:].contiguous().view(torch.int8).reshape(n, k), fmt,
-                          _f16_to_f32(b[..., 0:2]))
+            return Linear(n, k, b[..., 2:].contiguous().view(torch.int8).reshape(n, k), fmt, _f16(b[..., 0:2]))
         if fmt == Q4_F32:
             d = b[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
             m = b[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
         else:
-            d = _f16_to_f32(b[..., 0:2])
-            m = _f16_to_f32(b[..., 2:4]) if fmt == Q4_1 else -8.0 * d   # d*(q-8) == d*q + (-8d), exactly
+            d = _f16(b[..., 0:2])
+            # d*(q-8) == d*q + (-8d), exactly (a power-of-two multiple); fp32 if -8d overflows fp16
+            m = _f16(b[..., 2:4]) if fmt == Q4_1 else -8.0 * (d if d.abs().max() < 4096 else d.float())
+            if m.dtype != d.dtype:
+                d = d.float()
         qs = b[..., BLOCK_BYTES[fmt] - 16:].reshape(n, k // 2).contiguous()
         return Linear(n, k, qs, fmt, d.contiguous(), m.contiguous())
 
@@ -146,7 +153,9 @@ class Linear:
             return Linear.dense(self.dequantize(), self.bias).to(device, dtype)
         if self.parts:
             return self
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        gpu = torch.device(device).type != "cpu"
+        # the GPU kernels read fp32 scales
+        mv = lambda t: None if t is None else t.to(device, torch.float32 if gpu and t.dtype == torch.float16 else t.dtype)  # noqa: E731
         data = self.data.to(device=device, dtype=dtype) if self.fmt is None and dtype else self.data.to(device)
         return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.min), mv(self.bias))
 
@@ -192,16 +201,16 @@ class Linear:
         if self.raw or self.parts:
             return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
+        sc, mn = self.scale.float(), None if self.min is None else self.min.float()   # fp16 scales widened
         if self.fmt == Q8_0:
-            lib.q8_dequant(self.data.data_ptr(), self.scale.data_ptr(), self.n, self.k, w.data_ptr())
+            lib.q8_dequant(self.data.data_ptr(), sc.data_ptr(), self.n, self.k, w.data_ptr())
         else:
-            lib.q4_dequant(self.data.data_ptr(), self.scale.data_ptr(), self.min.data_ptr(), self.n,
-                           self.k, w.data_ptr())
+            lib.q4_dequant(self.data.data_ptr(), sc.data_ptr(), mn.data_ptr(), self.n, self.k, w.data_ptr())
         return w
 
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
-        if self.raw or self.parts:   # through the step's row kernels (exact: fp32 activations)
+        if self.raw or self.parts or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
             if not accumulate:
                 lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
                 return
@@ -243,8 +252,9 @@ class Linear:
             return SSMat(self.data.data_ptr(), None, None, ptr(self.bias) if with_bias else None, KIND_F32,
                          self.n, self.k, 0)
         kind = KIND_Q8 if self.fmt == Q8_0 else KIND_Q4
+        half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
         return SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
-                     ptr(self.bias) if with_bias else None, kind, self.n, self.k, 0)
+                     ptr(self.bias) if with_bias else None, kind, self.n, self.k, half)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:

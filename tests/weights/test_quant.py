@@ -131,8 +131,10 @@ def test_dequantize_matches_formula(name: str):
     parts = random_parts(fmt, 8, 96, seed=11)
     lin = Linear.from_blocks(fmt, pack_blocks(fmt, *parts), 8, 96)
     assert lin.packed and (lin.n, lin.k) == (8, 96)
-    # compute layout: codes plus float32 scale (and min for 4-bit) per group of 32
-    expected = 8 * 96 + 8 * 3 * 4 if fmt == Q8_0 else 8 * 48 + 2 * 8 * 3 * 4
+    # compute layout: codes plus the scale (and min for 4-bit) per group of 32, fp16 as in the file
+    # (Q4_K's scales are products of two scales: fp32)
+    sb = 4 if fmt == Q4_F32 else 2
+    expected = 8 * 96 + 8 * 3 * sb if fmt == Q8_0 else 8 * 48 + 2 * 8 * 3 * sb
     assert lin.nbytes == expected
     assert np.array_equal(lin.dequantize().numpy(), expected_weight(fmt, *parts))
 

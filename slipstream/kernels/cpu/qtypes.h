@@ -68,6 +68,17 @@ static inline float qt_f16(const uint8_t *p) {
     return f;
 }
 
+// n fp16 values -> fp32 (the q4/q8 layouts' scales when stored in half precision)
+static inline void ss_f16_row(const uint16_t *h, float *f, int n) {
+    int i = 0;
+#if defined(SS_AVX2)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < n; i++) f[i] = qt_f16((const uint8_t *)(h + i));
+}
+
 static inline float qt_bf16(const uint8_t *p) {
     const uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
     float f;

@@ -110,14 +110,24 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     }
     const int K = m->k, G = K / 32;
     const int64_t row_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype) : 0;
+    // q4/q8 with fp16 scales (qtype == QT_F16): a row's scales and mins widened once, on the stack
+    const int half = m->kind != KIND_QT && m->qtype == QT_F16;
+    float *scb = half ? alloca(sizeof(float) * G) : NULL, *mnb = half && m->min ? alloca(sizeof(float) * G) : NULL;
     for (int n = n0; n < n1; n++) {
+        const float *sc_row = m->scale ? m->scale + (int64_t)n * G : NULL;
+        const float *mn_row = m->min ? m->min + (int64_t)n * G : NULL;
+        if (half) {
+            ss_f16_row((const uint16_t *)m->scale + (int64_t)n * G, scb, G);
+            sc_row = scb;
+            if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)n * G, mnb, G), mn_row = mnb;
+        }
         for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
             const int nb = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
             float out[MAX_ROWS];
             const float *xf = x->f + (int64_t)b0 * K;
             if (m->kind == KIND_Q4) {
                 const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * (K / 2);
-                const float *sc = m->scale + (int64_t)n * G, *mn = m->min + (int64_t)n * G;
+                const float *sc = sc_row, *mn = mn_row;
                 const float *xs = x->s + (int64_t)b0 * G;
                 if (exact) {
 #define Q4F(NB) q4f_row(w, sc, mn, G, xf, K, xs, NB, out)
@@ -132,7 +142,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                 }
             } else if (m->kind == KIND_Q8) {
                 const int8_t *w = (const int8_t *)m->q + (int64_t)n * K;
-                const float *sc = m->scale + (int64_t)n * G;
+                const float *sc = sc_row;
                 if (exact) {
 #define Q8F(NB) q8f_row(w, sc, G, xf, K, NB, out)
                     SS_BY_ROWS(nb, Q8F)
@@ -181,6 +191,12 @@ static void prepare(const SSAct *a, int row, int K, int c0, int c1, int exact) {
                         a->s + (int64_t)row * G + c0 / 32);
 }
 
+// row `tok` of an embedding's per-group scales (or mins), fp32 or fp16
+static void embed_scales(const SSMat *e, const float *v, int64_t tok, int G, float *out) {
+    if (e->qtype == QT_F16) ss_f16_row((const uint16_t *)v + tok * G, out, G);
+    else memcpy(out, v + tok * G, sizeof(float) * G);
+}
+
 static void embed_row(const SSMat *e, int64_t tok, float *out) {
     const int K = e->k, G = K / 32;
     if (e->kind == KIND_F32) {
@@ -190,12 +206,17 @@ static void embed_row(const SSMat *e, int64_t tok, float *out) {
         qt_dequant_row(e->qtype, (const uint8_t *)e->q + tok * row_bytes, K, out);
     } else if (e->kind == KIND_Q8) {
         const int8_t *q = (const int8_t *)e->q + tok * K;
+        float *sc = alloca(sizeof(float) * G);
+        embed_scales(e, e->scale, tok, G, sc);
         for (int g = 0; g < G; g++)
-            for (int j = 0; j < 32; j++) out[g * 32 + j] = e->scale[tok * G + g] * (float)q[g * 32 + j];
+            for (int j = 0; j < 32; j++) out[g * 32 + j] = sc[g] * (float)q[g * 32 + j];
     } else {
         const uint8_t *q = (const uint8_t *)e->q + tok * (K / 2);
+        float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
+        embed_scales(e, e->scale, tok, G, sc);
+        embed_scales(e, e->min, tok, G, mn);
         for (int g = 0; g < G; g++) {
-            const float d = e->scale[tok * G + g], m = e->min[tok * G + g];
+            const float d = sc[g], m = mn[g];
             for (int j = 0; j < 16; j++) {
                 out[g * 32 + j] = d * (float)(q[g * 16 + j] & 15) + m;
                 out[g * 32 + 16 + j] = d * (float)(q[g * 16 + j] >> 4) + m;
