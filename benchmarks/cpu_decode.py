@@ -581,18 +581,20 @@ def print_agreement(results: list[EngineResult], summaries: dict[str, dict[str, 
     for name, s in summaries.items():
         if not s["deterministic"]:
             print(f"note: {name} produced different tokens in different runs")
-    ref = toks.get("slipstream")
-    if ref is None:
-        return report
-    for name in ("transformers", "llama.cpp"):
-        if name not in toks:
+    for ours in ("slipstream", "slipstream-exact"):
+        ref = toks.get(ours)
+        if ref is None:
             continue
-        n = agreement(ref, toks[name])
-        same = ref == toks[name]
-        report[name] = {"identical": same, "agree_prefix": n, "length": len(ref)}
-        verdict = "identical" if same else f"agree on the first {n} of {len(ref)} tokens"
-        suffix = " (informative only: llama.cpp quantizes activations)" if name == "llama.cpp" else ""
-        print(f"greedy tokens, slipstream vs {name}: {verdict}{suffix}")
+        for name in ("transformers", "llama.cpp"):
+            if name not in toks:
+                continue
+            n = agreement(ref, toks[name])
+            same = ref == toks[name]
+            key = name if ours == "slipstream" else f"{name} (exact)"
+            report[key] = {"identical": same, "agree_prefix": n, "length": len(ref)}
+            verdict = "identical" if same else f"agree on the first {n} of {len(ref)} tokens"
+            suffix = " (informative only: llama.cpp quantizes activations)" if name == "llama.cpp" else ""
+            print(f"greedy tokens, {ours} vs {name}: {verdict}{suffix}")
     return report
 
 
