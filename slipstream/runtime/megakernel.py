@@ -54,17 +54,19 @@ class MegakernelError(RuntimeError):
 
 
 @triton.jit
-def _rms_rstd(x_base, offs_b, b_mask, K, eps, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
-              ROW_STRIDE):
-    """1 / rms of each of the B rows of x ([B, K] at x_base with row stride ROW_STRIDE), read in chunks
-    of BLOCK_S columns (the whole row at once at batch 1: one L2 round trip, not one per K-chunk)."""
-    ss = tl.zeros((BLOCK_B,), tl.float32)
-    for k0 in range(0, K, BLOCK_S):
-        offs_k = k0 + tl.arange(0, BLOCK_S)
-        x = tl.load(x_base + offs_b[:, None] * ROW_STRIDE + offs_k[None, :],
-                    mask=b_mask[:, None] & (offs_k < K)[None, :], other=0.0, cache_modifier=".cg")
-        ss += tl.sum(x * x, axis=1)
-    return 1.0 / tl.sqrt(ss / K + eps)
+def _rstd_of(ss_base, offs_b, b_mask, n, K, eps, NT, NT_PAD: tl.constexpr):
+    """1 / rms of each row of x from the `n` per-tile sums of squares its producers left at ss_base
+    ([B, NT], row stride NT): one load, instead of every consumer task re-reading all of x."""
+    offs_t = tl.arange(0, NT_PAD)
+    part = tl.load(ss_base + offs_b[:, None] * NT + offs_t[None, :],
+                   mask=b_mask[:, None] & (offs_t < n)[None, :], other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(part, axis=1) / K + eps)
+
+
+@triton.jit
+def _store_sumsq(ss_base, offs_b, b_mask, v, NT, j):
+    """Tile j's sum of squares of the finished x values `v` ([B, tile], zero outside it), per row."""
+    tl.store(ss_base + offs_b * NT + j, tl.sum(v * v, axis=1), mask=b_mask)
 
 
 @triton.jit
@@ -195,15 +197,17 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
                 B, num_slots, eps, scale,
                 X_OFF, Q_OFF, PACC_OFF, PM_OFF, PL_OFF, ATTN_OFF, ACT_OFF, LOGITS_OFF, LMV_OFF, LMI_OFF, NLM,
+                SS_OFF, NT, NT_E, NT_O, NT_D, L,
                 TOK_OFF, POS_OFF, SLOT_OFF, CTX_OFF, BT_OFF, NEXT_OFF,
                 Hd, F, V, S, MAX_BLOCKS,
                 H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
                 S_BLOCK: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr, BK_QKV: tl.constexpr,
+                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, BK_QKV: tl.constexpr,
                 BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BK_LM: tl.constexpr,
-                LM_TILE: tl.constexpr,
+                LM_TILE: tl.constexpr, TILE_E: tl.constexpr, TILE_O: tl.constexpr, TILE_D: tl.constexpr,
+                NT_PAD: tl.constexpr,
                 PROFILE: tl.constexpr,
                 PREFETCH: tl.constexpr):
     nprog = tl.num_programs(0)
@@ -271,10 +275,12 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     cols = t0 + tl.arange(0, T_EMBED)
                     tok = tl.load(I_ptr + TOK_OFF + offs_b, mask=b_mask, other=0)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
-                    e = tl.load(w_base + tok[:, None] * Hd + cols[None, :], mask=m2, other=0.0)
-                    tl.store(x_base + offs_b[:, None] * Hd + cols[None, :], e.to(tl.float32), mask=m2)
+                    e = tl.load(w_base + tok[:, None] * Hd + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+                    tl.store(x_base + offs_b[:, None] * Hd + cols[None, :], e, mask=m2)
+                    _store_sumsq(A_ptr + SS_OFF, offs_b, b_mask, e, NT, t0 // TILE_E)
                 elif op == 1:   # QKV_ROPE: one head of the fused norm + QKV product, rotated, stored
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
+                    rstd = _rstd_of(A_ptr + SS_OFF + 2 * layer * B * NT, offs_b, b_mask,
+                                    tl.where(layer == 0, NT_E, NT_D), Hd, eps, NT, NT_PAD)
                     r0 = t0 * D
                     y1, y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF, HALF,
                                       Hd, True, True, HALF, BK_QKV, BLOCK_B)
@@ -369,9 +375,13 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     cols = t0 + tl.arange(0, T_O)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     dst = x_base + offs_b[:, None] * Hd + cols[None, :]
-                    tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
+                    new = tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc
+                    tl.store(dst, new, mask=m2)
+                    _store_sumsq(A_ptr + SS_OFF + (2 * layer + 1) * B * NT, offs_b, b_mask, tl.where(m2, new, 0.0),
+                                 NT, t0 // TILE_O)
                 elif op == 5:   # GATE_UP: act[:, t0:t1] = silu(g) * u of the fused norm + gate/up product
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
+                    rstd = _rstd_of(A_ptr + SS_OFF + (2 * layer + 1) * B * NT, offs_b, b_mask, NT_O, Hd, eps,
+                                    NT, NT_PAD)
                     g, u = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, F + t0, t1 - t0, Hd,
                                     True, True, T_GU, BK_GU, BLOCK_B)
                     cols = t0 + tl.arange(0, T_GU)
@@ -383,9 +393,12 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     cols = t0 + tl.arange(0, T_DOWN)
                     m2 = b_mask[:, None] & (cols < t1)[None, :]
                     dst = x_base + offs_b[:, None] * Hd + cols[None, :]
-                    tl.store(dst, tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc, mask=m2)
+                    new = tl.load(dst, mask=m2, other=0.0, cache_modifier=".cg") + acc
+                    tl.store(dst, new, mask=m2)
+                    _store_sumsq(A_ptr + SS_OFF + (2 * layer + 2) * B * NT, offs_b, b_mask, tl.where(m2, new, 0.0),
+                                 NT, t0 // TILE_D)
                 elif op == 7:   # LM_HEAD: logits[:, t0:t1] of the fused final norm + LM head
-                    rstd = _rms_rstd(x_base, offs_b, b_mask, Hd, eps, BLOCK_S, BLOCK_B, Hd)
+                    rstd = _rstd_of(A_ptr + SS_OFF + 2 * L * B * NT, offs_b, b_mask, NT_D, Hd, eps, NT, NT_PAD)
                     acc, _ = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, t0, t0, t1 - t0, Hd,
                                       True, False, T_LM, BK_LM, BLOCK_B)
                     cols = t0 + tl.arange(0, T_LM)
@@ -503,6 +516,8 @@ def scalar_args(p: Plan, num_slots: int, epoch: int = 1, max_spins: int = 1 << 2
                 B=p.batch, num_slots=num_slots, eps=float(p.rms_norm_eps), scale=1.0 / math.sqrt(p.head_dim),
                 X_OFF=a.x, Q_OFF=a.q, PACC_OFF=a.part_acc, PM_OFF=a.part_m, PL_OFF=a.part_l, ATTN_OFF=a.attn,
                 ACT_OFF=a.act, LOGITS_OFF=a.logits, LMV_OFF=a.lm_max, LMI_OFF=a.lm_idx, NLM=p.lm_tiles,
+                SS_OFF=a.sumsq, NT=p.norm_tiles, NT_E=p.norm_producers(0), NT_O=p.norm_producers(1),
+                NT_D=p.norm_producers(2), L=p.num_layers,
                 TOK_OFF=n.tokens, POS_OFF=n.positions, SLOT_OFF=n.write_slots,
                 CTX_OFF=n.context_lens, BT_OFF=n.block_tables, NEXT_OFF=n.next_tokens,
                 Hd=p.hidden_size, F=p.intermediate_size, V=p.vocab_size, S=p.splits, MAX_BLOCKS=p.max_blocks)
@@ -517,19 +532,22 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
     B = _pow2(p.batch)
     Hd, F, HD = p.hidden_size, p.intermediate_size, p.num_heads * p.head_dim
 
-    def bk(tile: int, k: int) -> int:
+    def bk(tile: int, k: int, two: bool = False) -> int:
         if block_k:
             return block_k
         if B >= 4:    # `_mv_rows`: the smallest chunk whose [TILE, chunk] tile still loads 16 bytes
             return max(16, min(MV_ROWS_ELEMENTS // _pow2(tile), 128, _pow2(k)))   # per thread (8 bf16)
-        return max(MIN_BK, min(ACC_ELEMENTS // (B * _pow2(tile)), 512, _pow2(k)))
+        budget = ACC_ELEMENTS // (2 if two else 1)    # two matrices (gate/up, RoPE halves): two accumulators
+        return max(MIN_BK, min(budget // (B * _pow2(tile)), 512, _pow2(k)))
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
                 S_BLOCK=min(max(_pow2(p.splits), 2), 16), P=t.partition, BLOCK_SIZE=p.block_size,
                 BLOCK_B=B, BLOCK_K=block_k or (128 if p.batch <= 2 else 64), BLOCK_T=min(_pow2(t.partition), 64),
                 T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
-                T_LM=_pow2(t.lm_head), BLOCK_V=1024, BLOCK_S=min(_pow2(Hd), max(8192 // B, 16)),
-                BK_QKV=bk(p.head_dim // 2, Hd), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd), BK_DOWN=bk(t.down, F),
-                BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head)
+                T_LM=_pow2(t.lm_head), BLOCK_V=1024,
+                BK_QKV=bk(p.head_dim // 2, Hd, True), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd, True),
+                BK_DOWN=bk(t.down, F),
+                BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head, TILE_E=t.embed, TILE_O=t.o, TILE_D=t.down,
+                NT_PAD=max(_pow2(p.norm_tiles), 2))
 
 
 MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)

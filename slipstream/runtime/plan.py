@@ -170,16 +170,19 @@ class ActLayout:
     logits: int     # [B, V]
     lm_max: int     # [B, LM tiles] each LM-head tile's largest logit per row (ARGMAX reduces these)
     lm_idx: int     # [B, LM tiles] its first index (exact in float32: vocabularies < 2^24)
+    sumsq: int      # [2L + 1, B, norm tiles] per residual-stream version, per row, per tile: the tile's
+                    # sum of x^2, written by the task that finished it (EMBED, O_PROJ, DOWN); the next
+                    # norm's consumers sum these partials instead of re-reading all of x
     total: int
 
     @classmethod
     def build(cls, batch: int, hidden: int, heads: int, head_dim: int, splits: int, ffn: int,
-              vocab: int, lm_tiles: int = 1) -> "ActLayout":
+              vocab: int, lm_tiles: int = 1, norm_slots: int = 1, norm_tiles: int = 1) -> "ActLayout":
         B, H, D, S = batch, heads, head_dim, splits
         offsets, total = _regions([("x", B * hidden), ("q", B * H * D), ("part_acc", B * H * S * D),
                                    ("part_m", B * H * S), ("part_l", B * H * S), ("attn", B * H * D),
                                    ("act", B * ffn), ("logits", B * vocab), ("lm_max", B * lm_tiles),
-                                   ("lm_idx", B * lm_tiles)])
+                                   ("lm_idx", B * lm_tiles), ("sumsq", norm_slots * B * norm_tiles)])
         return cls(**offsets, total=total)
 
 
@@ -228,7 +231,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.acts = ActLayout.build(self.batch, self.hidden_size, self.num_heads, self.head_dim, self.splits,
-                                    self.intermediate_size, self.vocab_size, self.lm_tiles)
+                                    self.intermediate_size, self.vocab_size, self.lm_tiles,
+                                    2 * self.num_layers + 1, self.norm_tiles)
         self.ints = IntLayout.build(self.batch, self.max_blocks)
 
     @property
@@ -240,6 +244,18 @@ class Plan:
     def lm_tiles(self) -> int:
         """LM-head tasks: each leaves its tile's (max, first index) per row for ARGMAX."""
         return cdiv(self.vocab_size, self.tiles.lm_head)
+
+    def norm_producers(self, slot: int) -> int:
+        """Tiles that write residual-stream version `slot`'s sums of squares: 0 after EMBED, 2l + 1
+        after layer l's O_PROJ, 2l + 2 after its DOWN (the last one feeds the final norm)."""
+        t = self.tiles
+        tile = t.embed if slot == 0 else (t.o if slot % 2 else t.down)
+        return cdiv(self.hidden_size, tile)
+
+    @property
+    def norm_tiles(self) -> int:
+        """The widest producer count: the row stride of the sums-of-squares region."""
+        return max(self.norm_producers(s) for s in range(3))
 
     @property
     def num_tasks(self) -> int:
@@ -720,8 +736,10 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
     H, KVH, G, S = plan.num_heads, plan.num_kv_heads, plan.group, plan.splits
     Hd, F, V = plan.hidden_size, plan.intermediate_size, plan.vocab_size
     x = ("x",)
+    def ss(slot: int) -> tuple:
+        return ("sumsq", slot)
     if op == Op.EMBED:
-        return [], [(x, t0, t1)]
+        return [], [(x, t0, t1), (ss(0), t0 // plan.tiles.embed, t0 // plan.tiles.embed + 1)]
     if op == Op.QKV_ROPE:
         out: tuple[tuple, int, int]
         if t0 < H:
@@ -730,7 +748,7 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
             out = (("k", li), t0 - H, t0 - H + 1)
         else:
             out = (("v", li), t0 - H - KVH, t0 - H - KVH + 1)
-        return [(x, 0, Hd)], [out]
+        return [(x, 0, Hd), (ss(2 * li), 0, plan.norm_producers(2 * li))], [out]
     if op == Op.ATTN_SPLIT:
         g, s = t0, t1
         return ([(("q",), g * G, (g + 1) * G), (("k", li), g, g + 1), (("v", li), g, g + 1)],
@@ -738,20 +756,25 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
     if op == Op.ATTN_REDUCE:
         return [(("part",), t0 * S, (t0 + 1) * S)], [(("attn",), t0 * G, (t0 + 1) * G)]
     if op == Op.O_PROJ:
-        return [(("attn",), 0, H), (x, t0, t1)], [(x, t0, t1)]
+        j = t0 // plan.tiles.o
+        return [(("attn",), 0, H), (x, t0, t1)], [(x, t0, t1), (ss(2 * li + 1), j, j + 1)]
     if op == Op.GATE_UP:
-        return [(x, 0, Hd)], [(("act",), t0, t1)]
+        return [(x, 0, Hd), (ss(2 * li + 1), 0, plan.norm_producers(2 * li + 1))], [(("act",), t0, t1)]
     if op == Op.DOWN:
-        return [(("act",), 0, F), (x, t0, t1)], [(x, t0, t1)]
+        j = t0 // plan.tiles.down
+        return [(("act",), 0, F), (x, t0, t1)], [(x, t0, t1), (ss(2 * li + 2), j, j + 1)]
     if op == Op.LM_HEAD:
-        return [(x, 0, Hd)], [(("logits",), t0, t1), (("lm_part",), t0, t1)]
+        last = 2 * plan.num_layers
+        return ([(x, 0, Hd), (ss(last), 0, plan.norm_producers(last))],
+                [(("logits",), t0, t1), (("lm_part",), t0, t1)])
     return [(("lm_part",), 0, V)], [(("next_tokens",), 0, 1)]
 
 
 def _region_size(plan: Plan, key: tuple) -> int:
     return {"x": plan.hidden_size, "q": plan.num_heads, "k": plan.num_kv_heads, "v": plan.num_kv_heads,
             "part": plan.num_kv_heads * plan.splits, "attn": plan.num_heads, "act": plan.intermediate_size,
-            "logits": plan.vocab_size, "lm_part": plan.vocab_size, "next_tokens": 1}[key[0]]
+            "logits": plan.vocab_size, "lm_part": plan.vocab_size, "next_tokens": 1,
+            "sumsq": plan.norm_producers(key[1]) if key[0] == "sumsq" else 0}[key[0]]
 
 
 def _region_text(key: tuple, lo: int, hi: int) -> str:

@@ -57,6 +57,8 @@ class _Views:
         self.logits = A[a.logits:a.logits + B * plan.vocab_size].view(B, plan.vocab_size)
         self.lm_max = A[a.lm_max:a.lm_max + B * plan.lm_tiles].view(B, plan.lm_tiles)
         self.lm_idx = A[a.lm_idx:a.lm_idx + B * plan.lm_tiles].view(B, plan.lm_tiles)
+        slots, nt = 2 * plan.num_layers + 1, plan.norm_tiles
+        self.sumsq = A[a.sumsq:a.sumsq + slots * B * nt].view(slots, B, nt)
         self.tokens = I[n.tokens:n.tokens + B]
         self.positions = I[n.positions:n.positions + B]
         self.write_slots = I[n.write_slots:n.write_slots + B]
@@ -68,12 +70,17 @@ class _Views:
         """A whole [rows, cols] weight matrix of W (the task slices its tile)."""
         return self.W[offset:offset + rows * cols].view(rows, cols)
 
-    def normed_x(self, norm_off: int) -> torch.Tensor:
-        """RMSNorm of the residual stream (statistics in float32) times the norm weight at `norm_off`."""
+    def normed_x(self, norm_off: int, slot: int) -> torch.Tensor:
+        """RMSNorm of the residual stream times the norm weight at `norm_off`, its statistics summed
+        from the per-tile sums of squares that residual-stream version `slot`'s producers left."""
         p = self.plan
         w = self.W[norm_off:norm_off + p.hidden_size].float()
-        x = self.x
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + p.rms_norm_eps) * w
+        ss = self.sumsq[slot, :, :p.norm_producers(slot)].sum(-1, keepdim=True)
+        return self.x * torch.rsqrt(ss / p.hidden_size + p.rms_norm_eps) * w
+
+    def finished(self, slot: int, t0: int, t1: int, tile: int) -> None:
+        """Records the sums of squares of x[:, t0:t1], just finished, for version `slot`'s norm."""
+        self.sumsq[slot, :, t0 // tile] = self.x[:, t0:t1].pow(2).sum(-1)
 
     def rope(self, y: torch.Tensor) -> torch.Tensor:
         """LlamaModel._rope on [B, D] rows at each row's position (half-rotation layout)."""
@@ -95,13 +102,14 @@ def _embed(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> N
     Hd = m.plan.hidden_size
     idx = w_off + m.tokens[:, None] * Hd + torch.arange(t0, t1, device=m.tokens.device)[None, :]
     m.x[:, t0:t1] = m.W[idx].float()
+    m.finished(0, t0, t1, m.plan.tiles.embed)
 
 
 def _qkv_rope(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
     p = m.plan
     H, KVH, D = p.num_heads, p.num_kv_heads, p.head_dim
     rows = m.matrix(w_off, (H + 2 * KVH) * D, p.hidden_size)[t0 * D:(t0 + 1) * D].float()
-    y = m.normed_x(n_off) @ rows.T                       # [B, D]
+    y = m.normed_x(n_off, 2 * layer) @ rows.T            # [B, D]
     if t0 < H:
         m.q[:, t0] = m.rope(y)
         return
@@ -151,13 +159,14 @@ def _o_proj(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> 
     p = m.plan
     wo = m.matrix(w_off, p.hidden_size, p.num_heads * p.head_dim)[t0:t1].float()
     m.x[:, t0:t1] += m.attn @ wo.T
+    m.finished(2 * layer + 1, t0, t1, p.tiles.o)
 
 
 def _gate_up(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
     p = m.plan
     Fd = p.intermediate_size
     wgu = m.matrix(w_off, 2 * Fd, p.hidden_size)
-    h = m.normed_x(n_off)
+    h = m.normed_x(n_off, 2 * layer + 1)
     gate = h @ wgu[t0:t1].float().T
     up = h @ wgu[Fd + t0:Fd + t1].float().T
     m.act[:, t0:t1] = F.silu(gate) * up
@@ -167,12 +176,13 @@ def _down(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> No
     p = m.plan
     wd = m.matrix(w_off, p.hidden_size, p.intermediate_size)[t0:t1].float()
     m.x[:, t0:t1] += m.act @ wd.T
+    m.finished(2 * layer + 2, t0, t1, p.tiles.down)
 
 
 def _lm_head(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
     p = m.plan
     wlm = m.matrix(w_off, p.vocab_size, p.hidden_size)[t0:t1].float()
-    m.logits[:, t0:t1] = m.normed_x(n_off) @ wlm.T
+    m.logits[:, t0:t1] = m.normed_x(n_off, 2 * p.num_layers) @ wlm.T
     j = t0 // p.tiles.lm_head
     best = m.logits[:, t0:t1].max(-1)     # torch returns the first maximal index
     m.lm_max[:, j] = best.values

@@ -128,7 +128,7 @@ def test_unsupported_models_are_refused():
 
 TRITON36 = Path(__file__).resolve().parents[2] / "build" / "venv-triton36" / "bin" / "python"
 _SPILL_36 = pytest.mark.xfail(strict=True, reason="with Triton 3.6 (the GPU machine's) the dense-8B kernel "
-                                                  "spills 80-96 bytes: issue 18, open")
+                                                  "spills 72-112 bytes (255 registers): issue 18, open")
 
 
 @pytest.mark.parametrize("triton_build", ["installed", "triton-3.6"])

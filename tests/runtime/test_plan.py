@@ -63,7 +63,8 @@ def test_plans_for_real_shapes_validate(name, max_context):
         tables.append(plan.tasks)
         assert plan.acts.total == batch * (cfg.hidden_size + 2 * cfg.num_heads * cfg.head_dim
                                            + cfg.num_heads * plan.splits * (cfg.head_dim + 2)
-                                           + cfg.intermediate_size + cfg.vocab_size + 2 * plan.lm_tiles)
+                                           + cfg.intermediate_size + cfg.vocab_size + 2 * plan.lm_tiles
+                                           + (2 * cfg.num_layers + 1) * plan.norm_tiles)
     assert all(torch.equal(t, tables[0]) for t in tables)   # the table does not depend on the batch
 
 
