@@ -58,7 +58,9 @@ static int check_qtypes(void) {
             }
         double scale = 1e-3;
         for (int r = 0; r < R; r++) scale = fmax(scale, fabs(want[r]));
-        qt_f_row(t, w, K, x[0], R, out);
+        float xsum[R][K / 32];
+        for (int r = 0; r < R; r++) ss_group_sums(x[r], K, xsum[r]);
+        qt_f_row(t, w, K, x[0], xsum[0], R, out);
         for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, want[r] / scale, 1e-4, "qt_f", t);
         if (t == QT_F16 || t == QT_BF16) continue;
         qt_q8_row(t, w, K, xq[0], xd[0], xs[0], R, out);

@@ -10,6 +10,8 @@
 //   exact: fp32 activations.
 // F16 and BF16 rows are widened to fp32 and multiplied with fp32 activations on both paths.
 #pragma once
+#include <alloca.h>
+
 #include "simd.h"
 
 enum {
@@ -23,6 +25,12 @@ typedef struct {
     int8_t q[QT_MAX];
     float sc[QT_MAX / 16], mn[QT_MAX / 16];
 } QTBlock;
+
+// where a decoder writes: codes q[QK], per-16 scales sc[QK/16] and offsets mn[QK/16]
+typedef struct {
+    int8_t *q;
+    float *sc, *mn;
+} QTOut;
 
 // weights per block (0: not a block type we read)
 static inline int qt_block(int t) {
@@ -52,6 +60,11 @@ static inline int qt_has_min(int t) {
 // IEEE half -> float, exactly (subnormals included), without relying on F16C
 static inline float qt_f16(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if defined(__F16C__)
+    return _cvtsh_ss(h);   // one instruction (the branchy version below costs ~10 cycles a block)
+#elif defined(SS_NEON)
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+#endif
     const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
     uint32_t bits;
     float f;
@@ -127,7 +140,7 @@ AI void qt_store(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
 #endif
 
 // Decode one block of type t at p (qt_block(t) weights).
-AI void qt_unpack(const int t, const uint8_t *p, QTBlock *o) {
+AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
     switch (t) {
     case QT_Q4_0: case QT_Q4_1: case QT_IQ4_NL: {
         const float d = qt_f16(p);
@@ -309,16 +322,38 @@ AI void qt_unpack(const int t, const uint8_t *p, QTBlock *o) {
         break;
     }
     default:
-        memset(o, 0, sizeof(*o));
+        memset(o->q, 0, (size_t)qt_block(t));
     }
 }
 
 // -- fast product: one weight row of block type t against nb int8 activation rows ------------------
 // xs: the activation's per-32 sums (d * sum of codes), for the offsets of types whose minimum is
 // per 32 weights; Q2_K's per-16 minimum sums the codes itself
+// Types whose scale (and minimum) is shared by 32 weights: a whole row is decoded first, then
+// multiplied by the 8-bit layout's kernels (four groups per reduction), plus the offset term.
+AI int qt_per32(const int t) { return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K; }
+
+AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
+    const int QK = qt_block(t), BB = qt_bytes(t);
+    float sc16[QT_MAX / 16], mn16[QT_MAX / 16];
+    for (int blk = 0; blk < K / QK; blk++) {
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){q + (int64_t)blk * QK, sc16, mn16});
+        for (int c = 0; c < QK / 32; c++) sc[blk * (QK / 32) + c] = sc16[2 * c], mn[blk * (QK / 32) + c] = mn16[2 * c];
+    }
+}
+
 AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
                     int nb, float *out) {
     const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
+    if (qt_per32(t)) {
+        int8_t *q = alloca((size_t)K);
+        float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
+        qt_unpack_row32(t, w, K, q, sc, mn);
+        q8q8_row(q, sc, G, xq, xd, nb, out);
+        if (mins)
+            for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
+        return;
+    }
     QTBlock u;
 #if defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
@@ -326,7 +361,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), accm[b] = 0.f;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
         for (int c = 0; c < QK / 32; c++) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(u.q + 32 * c));
             const __m256i qa = _mm256_sign_epi8(qv, qv);
@@ -354,7 +389,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     (void)xs;
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             const int g = (blk * QK + 16 * s) / 32;
             const int8_t *qs = u.q + 16 * s;
@@ -398,7 +433,17 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
 }
 
 // -- exact product: fp32 activations -----------------------------------------------------------------
-AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
+AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const float *xs, int nb, float *out) {
+    if (t != QT_F16 && t != QT_BF16 && qt_per32(t)) {   // xs: the activation's plain per-32 sums
+        const int G = K / 32;
+        int8_t *q = alloca((size_t)K);
+        float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
+        qt_unpack_row32(t, w, K, q, sc, mn);
+        q8f_row(q, sc, G, x, K, nb, out);
+        if (qt_has_min(t))
+            for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
+        return;
+    }
     if (t == QT_F16 || t == QT_BF16) {
         for (int b = 0; b < nb; b++) {
             const float *xb = x + (int64_t)b * K;
@@ -425,7 +470,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, int nb,
     __m256 acc[MAX_ROWS];
     for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             const __m128i q16 = _mm_loadu_si128((const __m128i *)(u.q + 16 * s));
             const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16));
@@ -444,7 +489,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, int nb,
 #else
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             for (int b = 0; b < nb; b++) {
                 const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
@@ -458,9 +503,9 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, int nb,
 #endif
 }
 
-static void qt_f_row(int t, const uint8_t *w, int K, const float *x, int nb, float *out) {
+static void qt_f_row(int t, const uint8_t *w, int K, const float *x, const float *xs, int nb, float *out) {
     switch (t) {
-#define QT_CASE(T) case T: qt_f_row_t(T, w, K, x, nb, out); break;
+#define QT_CASE(T) case T: qt_f_row_t(T, w, K, x, xs, nb, out); break;
     QT_EACH_BLOCK_TYPE(QT_CASE) QT_CASE(QT_F16) QT_CASE(QT_BF16)
 #undef QT_CASE
     default: for (int b = 0; b < nb; b++) out[b] = 0.f;
@@ -479,7 +524,7 @@ static void qt_dequant_row(int t, const uint8_t *w, int K, float *out) {
     const int QK = qt_block(t), BB = qt_bytes(t);
     QTBlock u;
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &u);
+        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
         for (int i = 0; i < QK; i++) {
             float v = u.sc[i / 16] * (float)u.q[i];
             if (qt_has_min(t)) v = v + u.mn[i / 16];

@@ -157,7 +157,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
             } else if (m->kind == KIND_QT) {
                 const uint8_t *w = (const uint8_t *)m->q + n * row_bytes;
                 if (exact || m->qtype == QT_F16 || m->qtype == QT_BF16) {
-#define QTF(NB) qt_f_row(m->qtype, w, K, xf, NB, out)
+#define QTF(NB) qt_f_row(m->qtype, w, K, xf, x->s + (int64_t)b0 * G, NB, out)
                     SS_BY_ROWS(nb, QTF)
 #undef QTF
                 } else {
@@ -542,7 +542,7 @@ void ss_qt_unpack(int qtype, const uint8_t *w, int n0, int n1, int K, int8_t *q,
     QTBlock u;
     for (int n = n0; n < n1; n++)
         for (int blk = 0; blk < K / QK; blk++) {
-            qt_unpack(qtype, w + n * row_bytes + (int64_t)blk * BB, &u);
+            qt_unpack(qtype, w + n * row_bytes + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
             const int64_t r = n - n0, e0 = r * K + (int64_t)blk * QK, s0 = e0 / 16;
             memcpy(q + e0, u.q, QK);
             memcpy(sc + s0, u.sc, sizeof(float) * (QK / 16));
