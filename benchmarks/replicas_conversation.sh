@@ -2,7 +2,7 @@
 # issue 16 bench: the conversation scenario against `serve --replicas 2`, once per routing policy
 # usage: OUT=dir bash benchmarks/replicas_conversation.sh   (needs the distributed extra: Ray Serve)
 mkdir -p "${OUT:-/tmp/replicas-bench}"
-cd /work/main
+cd "$(dirname "$0")/.."
 for policy in cache-aware round-robin least-loaded; do
   port=$((8900 + RANDOM % 50))
   .venv/bin/python -m slipstream serve --replicas 2 --router $policy --port $port --no-access-log > ${OUT:-/tmp/replicas-bench}/serve-$policy.log 2>&1 &
