@@ -431,6 +431,27 @@ def model(shape: str, batch: int, context: int = 512, programs_per_sm: int = 1, 
             "megakernel_busy_us_per_sm_by_op": m["busy_us_per_sm_by_op"]}
 
 
+def resources(shapes: list[str], batches: list[int], context: int) -> None:
+    """Registers, spill stack and 16-byte loads of the megakernel as the runtime builds it
+    (`default_tiles` for 132 SMs), with the Triton that runs this script (compiled, not modelled)."""
+    import triton
+
+    from slipstream.models.random_init import shape_config
+    from slipstream.runtime import megakernel as mk
+    from slipstream.runtime.plan import WeightLayout, compile_plan
+    print(f"| shape | batch | registers | spill stack (bytes) | 16-byte loads |  (Triton {triton.__version__}, sm_90a, "
+          f"8 warps, context {context}, default_tiles)")
+    print("|---|---|---|---|---|")
+    for sh in shapes:
+        cfg = shape_config(sh)
+        for b in batches:
+            plan = compile_plan(cfg, b, context, 16, WeightLayout.for_config(cfg, cfg.tie_word_embeddings),
+                                mk.default_tiles(cfg, context, HW.sms))
+            k = mk.compile_offline(plan)
+            use = mk.resource_usage(k.asm["cubin"])
+            print(f"| {sh} | {b} | {use['reg']} | {use['stack']} | {k.asm['ptx'].count('ld.global.v4')} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="MODELLED H100 decode-step latency (no GPU)")
     ap.add_argument("--shape", default=None, help="dense-1B or dense-8B (default both)")
@@ -439,11 +460,16 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=0)
     ap.add_argument("--no-fill", action="store_true", help="the plan's base tiles (phases may have < SMs tasks)")
+    ap.add_argument("--resources", action="store_true",
+                    help="only the megakernel's compiled registers / spill / vector loads (not modelled)")
     ap.add_argument("--verbose", action="store_true", help="per-kernel and per-loop detail")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the results")
     a = ap.parse_args()
     shapes = [a.shape] if a.shape else ["dense-1B", "dense-8B"]
     batches = [a.batch] if a.batch else [1, 4, 8]
+    if a.resources:
+        resources(shapes, batches, a.context)
+        return
     results = []
     print("| shape | batch | roofline us | graph us (modelled) | graph % roofline (modelled) | "
           "megakernel us (modelled) | megakernel % roofline (modelled) | mk / graph (modelled) |")
