@@ -77,6 +77,7 @@ class H100:
     sm_bytes_per_cycle: float = 64.0
     atomic_ns: float = 400.0
     launch_ns: float = 1300.0
+    l2_bw: float = 5.5e12            # bytes/s, L2 hits (Chips and Cheese's H100 L2 bandwidth test)
     barrier_cycles: float = 30.0
     spill_cycles_per_4b: float = 35.0
     regs_per_sm: int = 65536
@@ -207,8 +208,11 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
 
 
 def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, int],
-                  context: int) -> tuple[float, float]:
-    """(seconds of the task's body, weight/KV bytes it reads from HBM)."""
+                  context: int, weights_in_l2: bool = False) -> tuple[float, float]:
+    """(seconds of the task's body, weight/KV bytes it reads from HBM). `weights_in_l2`: the task's
+    weights were prefetched while it waited (its matvec loads then see L2 latency and bandwidth)."""
+    w_lat = HW.l2_ns if weights_in_l2 else HW.hbm_ns
+    w_bw = bw_sm * (HW.l2_bw / HW.copy_bw) if weights_in_l2 else bw_sm
     from slipstream.runtime.plan import Op
     op, t0, t1 = r[0], r[2], r[3]
     B, Hd, F, V = plan.batch, plan.hidden_size, plan.intermediate_size, plan.vocab_size
@@ -232,7 +236,7 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
             per_iter = lc.weight_bytes_per_thread * 32 * warps or share * consts.get(BK_NAME[Op(op).name], bk) * 2
             per_iter = min(per_iter, task_bytes)
             it = math.ceil(task_bytes / per_iter)
-            total += it * lc.seconds(warps, per_iter, bw_sm, HW.hbm_ns, code.spill)
+            total += it * lc.seconds(warps, per_iter, w_bw, w_lat, code.spill)
             hbm += task_bytes
         elif kind == "attn":
             P = plan.tiles.partition
@@ -284,11 +288,20 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     for r in rows:
         t_free, p = heapq.heappop(heap)
         start = t_free + overhead
+        in_l2 = False
         if r[4] >= 0:
-            start = max(start, ev_time[r[4]] + HW.atomic_ns * 1e-9)
+            ready = ev_time[r[4]] + HW.atomic_ns * 1e-9
+            if prefetch and ready > start and r[0] in (1, 4, 5, 6, 7):
+                # PREFETCH=1: a task that must wait first streams its whole weight tile into L2
+                # (`_prefetch_weights`, at this SM's share of HBM bandwidth), then runs from L2
+                _, wbytes = _task_seconds(plan, code, r, HW.copy_bw, consts, context)
+                share = min(phase[(r[0], r[1])], HW.sms) * programs_per_sm
+                ready = max(ready, start + wbytes / (HW.copy_bw / share) + HW.hbm_ns * 1e-9)
+                in_l2 = True
+            start = max(start, ready)
         active = min(phase[(r[0], r[1])], HW.sms) * 1.0
         bw_sm = HW.copy_bw / active / programs_per_sm
-        body, _ = _task_seconds(plan, code, r, bw_sm, consts, context)
+        body, _ = _task_seconds(plan, code, r, bw_sm, consts, context, in_l2)
         done = start + body + signal
         busy += body
         by_op[Op(r[0]).name] = by_op.get(Op(r[0]).name, 0.0) + body
