@@ -6,7 +6,7 @@ from typing import Any
 
 from slipstream.errors import ModelLoadError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "gemma3_text")
 DEEPSEEK_FAMILY = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
@@ -27,7 +27,24 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False    # Qwen2: biases on q/k/v
     qk_norm: bool = False           # Qwen3: RMSNorm on each head of q and k
+    # Gemma 3 (architecture "gemma3"): GeGLU with tanh GELU, norms before and after attention and
+    # MLP (the (1 + w) norm weights stored with the 1 added), the embedding scaled by sqrt(hidden),
+    # attention scaled by query_pre_attn_scalar**-0.5, sliding-window layers with their own RoPE base
+    hidden_act: str = "silu"        # "silu" | "gelu_tanh"
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    attn_scale: float | None = None   # None: head_dim**-0.5
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None   # "sliding" | "full" per layer
+    rope_local_theta: float | None = None        # the sliding layers' RoPE base
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def _gemma3(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        return _gemma3_config(cfg, cls)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -44,6 +61,8 @@ class ModelConfig:
             theta = params.get("rope_theta", theta)
             if params.get("rope_type", "default") != "default":
                 scaling = params
+        if mt == "gemma3_text":
+            return cls._gemma3(cfg)
         return cls(
             architecture={"qwen2": "qwen2", "qwen3": "qwen3"}.get(mt, "llama"),
             vocab_size=cfg["vocab_size"],
@@ -61,6 +80,40 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", mt == "qwen2")),
             qk_norm=(mt == "qwen3"),
         )
+
+
+def _gemma3_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:   # transformers v5: one dict per layer type
+        full, local = params["full_attention"], params.get("sliding_attention", {})
+        theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 10000.0)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 10000.0)
+        scaling = cfg.get("rope_scaling") or None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+        for i in range(n)]
+    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
+        raise ModelLoadError("logit soft-capping (Gemma 2) is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"unsupported Gemma activation {act!r}")
+    return cls(
+        architecture="gemma3", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=n,
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads, intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=True, hidden_act="gelu_tanh",
+        embed_scale=float(hidden) ** 0.5, sandwich_norms=True,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        sliding_window=int(cfg.get("sliding_window") or 4096),
+        layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        rope_local_theta=float(local_theta))
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, Any]]:

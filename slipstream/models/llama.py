@@ -7,6 +7,7 @@ Weights are `Linear`s, packed or dense, with Q/K/V and gate/up fused into one pr
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -58,6 +59,9 @@ class LlamaModel:
         self.layers: list[LlamaLayer] = [weights[f"layers.{i}"] for i in range(cfg.num_layers)]
         inv = weights.get("inv_freq")
         self.inv_freq = inv if inv is not None else rope_inv_freq(cfg, weights.get("rope_freqs"))
+        # Gemma 3's sliding-window layers rotate with their own base (and no scaling)
+        self.inv_freq_local = None if cfg.rope_local_theta is None else rope_inv_freq(
+            dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None))
         self.device = self.embed.data.device
         self.kv_dtype = torch.float32   # the cache's element type: the weights' on a GPU
 
@@ -76,6 +80,8 @@ class LlamaModel:
         self.embed, self.lm_head, self.norm = lin(self.embed), lin(self.lm_head), vec(self.norm)
         self.layers = [L.map(lin, vec) for L in self.layers]
         self.inv_freq = self.inv_freq.to(device)
+        if self.inv_freq_local is not None:
+            self.inv_freq_local = self.inv_freq_local.to(device)
         self.device = torch.device(device)
         self.kv_dtype = dtype
         return self
@@ -89,8 +95,10 @@ class LlamaModel:
         return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                             dtype=self.kv_dtype, device=self.device)
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+    def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos()[:, None, :], emb.sin()[:, None, :]
 
@@ -101,8 +109,9 @@ class LlamaModel:
         return x * cos + rotated * sin
 
     def _attention(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
-                   s: SeqSlice) -> torch.Tensor:
-        """q [len, H, D] against the sequence's cached keys -> [len, H, D]."""
+                   s: SeqSlice, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+        """q [len, H, D] against the sequence's cached keys -> [len, H, D]; with `window`, a query
+        sees only the keys less than `window` positions behind it (sliding-window layers)."""
         if isinstance(s.read, tuple):
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
@@ -115,14 +124,18 @@ class LlamaModel:
         qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         mask = None
         causal = False
-        if s.length > 1:
+        if window is not None and s.context > window:
+            qpos = s.context - s.length + torch.arange(s.length, device=q.device)[:, None]
+            j = torch.arange(s.context, device=q.device)[None, :]
+            mask = (j <= qpos) & (qpos - j < window)
+        elif s.length > 1:
             if s.length == s.context:
                 causal = True
             else:  # chunk after cached tokens: query i sees keys up to context - length + i
                 i = torch.arange(s.length, device=q.device)[:, None]
                 j = torch.arange(s.context, device=q.device)[None, :]
                 mask = j <= (s.context - s.length + i)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=kh.shape[0] != qh.shape[0])
         return out.transpose(0, 1).to(out_dtype)
 
@@ -139,8 +152,14 @@ class LlamaModel:
         if self.device.type != "cpu":
             step = step.to(self.device)
         x = self.embed.dequantize(step.token_ids).to(torch.float32)
-        cos, sin = self._rope_tables(step.positions)
+        if c.embed_scale is not None:
+            x = x * torch.tensor(c.embed_scale, dtype=torch.float32)
+        rope_full = self._rope_tables(step.positions)
+        rope_local = None if self.inv_freq_local is None else self._rope_tables(step.positions, self.inv_freq_local)
         for li, L in enumerate(self.layers):
+            sliding = c.is_sliding(li)
+            cos, sin = rope_local if sliding and rope_local is not None else rope_full
+            window = c.sliding_window if sliding else None
             h = F.rms_norm(x, (c.hidden_size,), L.attn_norm, eps)
             qkv = L.qkv(h)
             q = qkv[:, :qd].view(T, H, D)
@@ -155,16 +174,23 @@ class LlamaModel:
             lk.index_copy_(0, step.write_slots, k.to(lk.dtype))
             lv.index_copy_(0, step.write_slots, v.to(lv.dtype))
             if len(step.seqs) == 1:
-                attn = self._attention(q, lk, lv, step.seqs[0])
+                attn = self._attention(q, lk, lv, step.seqs[0], c.attn_scale, window)
             else:
-                attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s)
+                attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s, c.attn_scale, window)
                                   for s in step.seqs])
-            L.o(attn.reshape(T, qd), out=x, accumulate=True)
+            if L.post_attn_norm is None:
+                L.o(attn.reshape(T, qd), out=x, accumulate=True)
+            else:   # Gemma: the attention output is normalized before the residual add
+                x = x + F.rms_norm(L.o(attn.reshape(T, qd)), (c.hidden_size,), L.post_attn_norm, eps)
             h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, eps)
             gu = L.gate_up(h)
             f = c.intermediate_size
-            act = F.silu(gu[:, :f]) * gu[:, f:]
-            L.down(act, out=x, accumulate=True)
+            gate = F.gelu(gu[:, :f], approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gu[:, :f])
+            act = gate * gu[:, f:]
+            if L.post_ffn_norm is None:
+                L.down(act, out=x, accumulate=True)
+            else:
+                x = x + F.rms_norm(L.down(act), (c.hidden_size,), L.post_ffn_norm, eps)
         if return_hidden:
             h = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
             last = h.index_select(0, step.logits_rows)

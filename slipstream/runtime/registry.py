@@ -106,6 +106,10 @@ def _gpu_capable(model: Any) -> bool:
 def unsupported(name: str, model: Any) -> str | None:
     """Why runtime `name` cannot run `model` on this machine (None: it can)."""
     spec = REGISTRY[name]
+    cfg = getattr(model, "cfg", None)
+    if name != "eager" and getattr(cfg, "architecture", None) == "gemma3":
+        return (f"the {name} runtime does not run Gemma 3 yet (GeGLU, norms after attention and MLP, "
+                "sliding-window layers); the eager runtime does")
     try:
         why = decoder_class(name).unsupported(model)
     except SlipstreamError as e:

@@ -18,7 +18,7 @@ try:
 except ImportError as e:  # pragma: no cover - gguf is a hard dependency of the package
     raise ImportError("reading GGUF files needs the `gguf` package") from e
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
 PACKED_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K}
 # kept as the file's own blocks, read in place from the memory map
@@ -67,6 +67,8 @@ def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
         scaling = {"rope_type": a("rope.scaling.type"), "factor": float(a("rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": a("rope.scaling.original_context_length")}
     names = {t.name for t in reader.tensors}
+    if arch == "gemma3":
+        return _gemma3_config(a, names, hidden, heads, int(kv), int(vocab), scaling)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -84,6 +86,28 @@ def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
     )
+
+
+def _gemma3_config(a: Any, names: set[str], hidden: int, heads: int, kv: int, vocab: int,
+                   scaling: dict[str, Any] | None) -> ModelConfig:
+    """Gemma 3 as llama.cpp writes it: every sixth layer global, the others sliding with RoPE base
+    10000; norms stored as (1 + w); attention scaled by the head size (hidden / heads for the 27B)."""
+    n = int(a("block_count"))
+    head_dim = int(a("attention.key_length", hidden // heads))
+    pattern = a("attention.sliding_window_pattern", 6) or 6   # a period, or (newer files) one flag per layer
+    return ModelConfig(
+        architecture="gemma3", vocab_size=vocab, hidden_size=hidden, num_layers=n, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, intermediate_size=int(a("feed_forward_length")),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 1e6)), rope_scaling=scaling,
+        max_position_embeddings=int(a("context_length", 32768)),
+        tie_word_embeddings="output.weight" not in names, qk_norm=True, hidden_act="gelu_tanh",
+        embed_scale=float(hidden) ** 0.5, sandwich_norms=True,
+        attn_scale=(hidden / heads if n == 62 else head_dim) ** -0.5,
+        sliding_window=int(a("attention.sliding_window", 4096)),
+        layer_types=tuple("sliding" if flag else "full" for flag in pattern) if isinstance(pattern, list) else
+        tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(n)),
+        rope_local_theta=10000.0)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -161,6 +185,8 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
 
     def vec(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ModelLoadError(f"{path}: tensor {name} missing")
         return torch.from_numpy(_dense(tensors[name]).reshape(-1).copy())
 
     def lin(name: str, unpermute_heads: int = 0) -> Linear:
@@ -191,5 +217,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
             up=lin(p + "ffn_up.weight"),
             down=lin(p + "ffn_down.weight"),
             q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
-            k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None)
+            k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
+            post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.sandwich_norms else None,
+            post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.sandwich_norms else None)
     return cfg, weights, reader

@@ -22,18 +22,23 @@ class LlamaLayer:
     o: Linear                          # [hidden, H D]
     gate_up: Linear                    # [2 F, hidden]
     down: Linear                       # [hidden, F]
-    q_norm: torch.Tensor | None = None   # [D] per-head RMSNorm of q and k (Qwen3)
+    q_norm: torch.Tensor | None = None   # [D] per-head RMSNorm of q and k (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None   # [hidden] on the attention output (Gemma 3)
+    post_ffn_norm: torch.Tensor | None = None    # [hidden] on the MLP output (Gemma 3)
 
     LINEARS: ClassVar[tuple[str, ...]] = ("qkv", "o", "gate_up", "down")
-    VECTORS: ClassVar[tuple[str, ...]] = ("attn_norm", "ffn_norm", "q_norm", "k_norm")
+    VECTORS: ClassVar[tuple[str, ...]] = ("attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm",
+                                          "post_ffn_norm")
 
     @classmethod
     def fuse(cls, *, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, q: Linear, k: Linear, v: Linear,
              o: Linear, gate: Linear, up: Linear, down: Linear, q_norm: torch.Tensor | None = None,
-             k_norm: torch.Tensor | None = None) -> LlamaLayer:
+             k_norm: torch.Tensor | None = None, post_attn_norm: torch.Tensor | None = None,
+             post_ffn_norm: torch.Tensor | None = None) -> LlamaLayer:
         """A layer from separate Q/K/V and gate/up products (as checkpoints store them)."""
-        return cls(attn_norm, ffn_norm, concat_rows([q, k, v]), o, concat_rows([gate, up]), down, q_norm, k_norm)
+        return cls(attn_norm, ffn_norm, concat_rows([q, k, v]), o, concat_rows([gate, up]), down, q_norm, k_norm,
+                   post_attn_norm, post_ffn_norm)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]

@@ -90,23 +90,32 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict
         bias = state.get(prefix + ".bias")
         return Linear.dense(get(prefix + ".weight"), bias)
 
+    gemma = cfg.architecture == "gemma3"
+
+    def norm(name: str) -> torch.Tensor:   # Gemma's norms multiply by (1 + w): stored with the 1 added
+        return get(name) + 1.0 if gemma else get(name)
+
     weights: dict[str, Any] = {"embed": Linear.dense(get("model.embed_tokens.weight")),
-                               "norm": get("model.norm.weight")}
+                               "norm": norm("model.norm.weight")}
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         weights["lm_head"] = weights["embed"]
     else:
         weights["lm_head"] = lin("lm_head")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        # Gemma: post_attention_layernorm normalizes the attention output; pre_feedforward_layernorm
+        # is the MLP's input norm (Llama's post_attention_layernorm)
         weights[f"layers.{i}"] = LlamaLayer.fuse(
-            attn_norm=get(p + "input_layernorm.weight"),
-            ffn_norm=get(p + "post_attention_layernorm.weight"),
+            attn_norm=norm(p + "input_layernorm.weight"),
+            ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
             q=lin(p + "self_attn.q_proj"), k=lin(p + "self_attn.k_proj"),
             v=lin(p + "self_attn.v_proj"), o=lin(p + "self_attn.o_proj"),
             gate=lin(p + "mlp.gate_proj"), up=lin(p + "mlp.up_proj"),
             down=lin(p + "mlp.down_proj"),
-            q_norm=get(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
-            k_norm=get(p + "self_attn.k_norm.weight") if cfg.qk_norm else None)
+            q_norm=norm(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=norm(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+            post_ffn_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None)
     return cfg, weights
 
 
