@@ -28,3 +28,16 @@ def test_launches_per_step_have_a_ceiling(shape, batch):
     assert len(launches) <= 7 * cfg.num_layers + 2, kinds     # + the embedding copy (a torch op)
     assert kinds["matvec._matvec_kernel"] == 4 * cfg.num_layers + 1
     assert not any("reduce" in k and "matvec" in k for k in kinds), kinds
+
+
+@pytest.mark.parametrize("batch,context,kv_heads", [(1, 512, 8), (8, 512, 32), (16, 64, 8), (1, 131072, 8)])
+def test_untuned_attention_partitions_fill_the_sms_and_stay_in_the_context(batch, context, kv_heads):
+    from slipstream.kernels.triton.configs import KernelConfigs
+    with offline.as_gpu(132):
+        att = KernelConfigs().attention_for(batch, context, kv_heads)
+    part = att["partition"]
+    programs = batch * kv_heads * -(-context // part)
+    assert part >= 16 and part & (part - 1) == 0 and att["block_n"] == min(part, 64)
+    assert part <= max(16, context)
+    assert programs >= 0.95 * 132 or part == 16          # enough programs, unless already the smallest
+    assert part == 16 or part >= context or batch * kv_heads * -(-context // (part // 2)) >= 0.95 * 132

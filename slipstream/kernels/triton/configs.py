@@ -62,7 +62,8 @@ class KernelConfigs:
             return self.attention
         enough = 0.95 * _sms()
         part = 16
-        while batch * kv_heads * -(-context // (part * 2)) >= enough:
+        # bounded by the context: with many rows x heads the program count never drops below `enough`
+        while part < context and batch * kv_heads * -(-context // (part * 2)) >= enough:
             part *= 2
         return {"partition": part, "block_n": min(part, 64)}
 
