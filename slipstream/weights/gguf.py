@@ -220,4 +220,35 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
             k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.sandwich_norms else None,
             post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.sandwich_norms else None)
+    _release_converted(reader, weights)
     return cfg, weights, reader
+
+
+def _release_converted(reader: "gguf.GGUFReader", weights: dict[str, Any]) -> None:
+    """Drop from this process's view of the memory map the pages of every tensor that is not used in
+    place (converted, fused into a copy, or a norm): the tensors that are used in place keep the
+    map alive, and the others' pages would otherwise stay resident next to their copies."""
+    import mmap
+
+    m = getattr(reader.data, "_mmap", None)
+    if m is None or not hasattr(m, "madvise"):
+        return
+    base, size = reader.data.ctypes.data, reader.data.nbytes
+    used: list[tuple[int, int]] = []   # file byte ranges that weights still read in place
+    for w in weights.values():
+        for lin in (w.linears() if isinstance(w, LlamaLayer) else [w] if isinstance(w, Linear) else []):
+            for part in lin.parts or (lin,):
+                a = part.data.data_ptr()
+                if base <= a < base + size:
+                    used.append((a - base, a - base + part.data.numel() * part.data.element_size()))
+    page = mmap.PAGESIZE
+    for t in reader.tensors:
+        lo, hi = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
+        if any(a < hi and lo < b for a, b in used):
+            continue
+        start, end = -(-lo // page) * page, hi // page * page
+        if end > start:
+            try:
+                m.madvise(mmap.MADV_DONTNEED, start, end - start)
+            except (OSError, ValueError):   # a platform without it: only memory is lost
+                return

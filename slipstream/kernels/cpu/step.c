@@ -520,7 +520,7 @@ void ss_profile(int enable, int64_t *out) {
 // -- entry points for tests and the eager path -------------------------------------------------------
 const char *ss_isa(void) { return ss_isa_name(); }
 
-// y[B][N] = X[B][K] W^T, single-threaded, through the same row kernels as the step (exact or fast)
+// y[B][N] = X[B][K] W^T through the same row kernels as the step (exact or fast), rows over OpenMP threads
 void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     const int K = m->k, G = K / 32;
     SSAct a = {(float *)x, (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * G),
@@ -528,7 +528,10 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
     int N = 0;
     for (const SSMat *p = m; p; p = p->next) N += p->n;   // a chain's rows, all parts
-    mat_rows(m, 0, N, B, &a, y, N, 0, exact);
+    // row tiles over OpenMP's threads (the eager path's products: prefill chunks beside decode rows)
+    const int tile = 16;
+#pragma omp parallel for schedule(dynamic, 1) if (N >= 4 * tile)
+    for (int n0 = 0; n0 < N; n0 += tile) mat_rows(m, n0, n0 + tile < N ? n0 + tile : N, B, &a, y, N, 0, exact);
     free(a.q);
     free(a.d);
     free(a.s);
