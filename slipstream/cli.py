@@ -201,9 +201,13 @@ def _close_tp_groups() -> None:
 
 def _load(args: argparse.Namespace, config=None):
     try:
-        return _build_llm(args, config or _engine_config(args))
+        llm = _build_llm(args, config or _engine_config(args))
     finally:
         _progress("")
+    source = getattr(getattr(llm, "tokenizer", None), "chat_template_source", None) or ""
+    if source.startswith("built-in"):   # say which format chat prompts will use
+        print(f"note: chat prompts use the {source}", file=sys.stderr)
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

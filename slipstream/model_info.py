@@ -85,6 +85,8 @@ def _safetensors_types(folder: Path) -> dict[str, TypeShare]:
 def _template_source(path: Path, fmt: str, tokenizer: Any) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         return "none (chat requests are refused; raw prompts only)"
+    if getattr(tokenizer, "chat_template_source", None):
+        return str(tokenizer.chat_template_source)
     if fmt == "gguf":
         return "the file's tokenizer.chat_template"
     return "the folder's tokenizer_config.json / chat_template file"

@@ -111,6 +111,8 @@ _MAX_HELD_TOKENS = 6
 class Tokenizer:
     """Encodes/decodes text for one model; built with `from_gguf` or `from_hf_dir`."""
 
+    chat_template_source: str | None = None   # where the chat template came from, for people
+
     vocab_size: int
     bos_token_id: int | None
     eos_token_ids: set[int]
@@ -235,6 +237,15 @@ class Tokenizer:
             chat_templates=templates,
         )
         tok._dummy_prefix_for_leading_space = kind == "llama" and add_space_prefix
+        if tok.chat_template is not None:
+            tok.chat_template_source = "the file's tokenizer.chat_template"
+        else:   # as llama.cpp does: the family's known format, recognised by its chat tokens
+            from slipstream.chat_templates import family_template
+
+            found = family_template(vocab_tokens)
+            if found is not None:
+                tok.chat_template = tok.chat_templates["default"] = found[1]
+                tok.chat_template_source = f"built-in {found[0]} template (the file has none)"
         return tok
 
     # ---------------------------------------------------------------- construction: HF folder
