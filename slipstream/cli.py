@@ -204,10 +204,15 @@ def _load(args: argparse.Namespace, config=None):
         llm = _build_llm(args, config or _engine_config(args))
     finally:
         _progress("")
-    source = getattr(getattr(llm, "tokenizer", None), "chat_template_source", None) or ""
-    if source.startswith("built-in"):   # say which format chat prompts will use
-        print(f"note: chat prompts use the {source}", file=sys.stderr)
+    _template_note(llm)
     return llm
+
+
+def _template_note(llm) -> None:
+    """Say which chat format is used when the model file had none (a built-in family template)."""
+    source = getattr(getattr(llm, "tokenizer", None), "chat_template_source", None) or ""
+    if source.startswith("built-in"):
+        print(f"note: chat prompts use the {source}", file=sys.stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -364,6 +369,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = build_off_main_thread(lambda: _build_llm(args, config))
     finally:
         _progress("")
+    _template_note(llm)
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
           f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
           f"; {_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
