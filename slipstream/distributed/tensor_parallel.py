@@ -103,6 +103,9 @@ def _shard_llama(model: Any, world: int, rank: int) -> tuple[Any, VocabShard, Vo
     from slipstream.weights.quant import Linear
 
     c = model.cfg
+    if c.architecture == "gemma3":   # the sharded forward below is Llama's layer loop, not Gemma's
+        raise SlipstreamError("tensor parallelism does not cover Gemma 3 yet (its norms after attention and "
+                              "MLP, GeGLU and sliding windows); run it with --tensor-parallel 1")
     H, KVH, D, Fd = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     h0, h1 = _span(H, world, rank, "attention heads")
     k0, k1 = _span(KVH, world, rank, "KV heads")

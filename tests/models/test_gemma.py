@@ -153,3 +153,11 @@ def test_greedy_matches_generate(pair):
         ours.append(int(logits[0].argmax()))
         logits = run(m, kv, seq, len(toks) + i, [ours[-1]])
     assert ours == gen
+
+
+def test_tensor_parallelism_refuses_it(pair):
+    """The sharded forward is Llama's layer loop: it must refuse Gemma 3 instead of computing it wrongly."""
+    from slipstream.distributed.tensor_parallel import _shard_llama
+    from slipstream.errors import SlipstreamError
+    with pytest.raises(SlipstreamError, match="Gemma 3"):
+        _shard_llama(pair[1], 2, 0)
