@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -29,7 +29,7 @@ from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder, DecoderOptions
-from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
+from slipstream.runtime.registry import build_decoder, placement, prefill_capacity, resolve_runtime
 from slipstream.step import StepBuilder, StepInput
 from slipstream.structured.constraint import ConstraintError
 from slipstream.structured.grammar import Matcher, compile_constraint
@@ -405,6 +405,10 @@ class Engine:
         ones together through the matvec kernels: each chunk is computed exactly as it would be
         alone (both paths are row-invariant), so batching never changes a request's tokens.
         """
+        if not self.needs_hidden and sum(e - s for _, s, e in plan.prefill) <= prefill_capacity(self.runtime):
+            # small chunks (the prompt tokens beside running decodes) in the runtime's own step, one
+            # row per token: a burst of prompts no longer stalls the streams behind a slow eager step
+            return self._prefill_group(plan.prefill, self.runtime.forward)
         long = [c for c in plan.prefill if c[2] - c[1] >= DENSE_FROM_ROWS]
         short = [c for c in plan.prefill if c[2] - c[1] < DENSE_FROM_ROWS]
         events = self._prefill_group(long) if long else []
@@ -413,7 +417,8 @@ class Engine:
                 events += self._prefill_group(short)
         return events
 
-    def _prefill_group(self, chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
+    def _prefill_group(self, chunks: list[tuple[Request, int, int]],
+                       forward: Callable[[StepInput], torch.Tensor] | None = None) -> list[StepEvent]:
         b = StepBuilder()
         done = []
         for r, start, end in chunks:
@@ -422,7 +427,10 @@ class Engine:
             if last:
                 done.append(r)
         step = b.build()
-        logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
+        if forward is not None:
+            logits = forward(step)
+        else:
+            logits = self._forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
         row = 0
         for r, start, end in chunks:
             if self.needs_hidden:

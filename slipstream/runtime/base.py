@@ -10,6 +10,9 @@ Every runtime (eager, native CPU, CUDA graph, megakernel, and the ones to come) 
         the float32 logits of `step.logits_rows` on the CPU; with `tokens_only` (only where
         `device_greedy`) their greedy tokens instead, int64 on the CPU
 
+A runtime may also declare `prefill_tokens: int`, the most prompt tokens (rows of several tokens per
+sequence, attending causally) one forward takes; without it, prefill runs on the eager step.
+
 built by `runtime.registry.build_decoder`, which passes the engine configuration's options
 (`DecoderOptions`). A runtime never moves the model: placement (`Model.to`) is a separate step
 (`runtime.registry.placement`).

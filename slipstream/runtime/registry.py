@@ -7,7 +7,8 @@
   auto        graph on a GPU, else native where it applies, else eager
 
 graph and megakernel also run on a CPU when TRITON_INTERPRET=1 is set (Triton's interpreter: slow,
-for tests). Prefill always runs on the eager step.
+for tests). Prefill runs on the eager step, except small chunks on a runtime that takes them
+(`prefill_capacity`).
 
 Three separate steps, in this order: `resolve_runtime` (which runtime a name stands for with this model
 on this machine), `placement` (the device the model's weights must be on for it; the caller moves them
@@ -156,3 +157,9 @@ def build_decoder(name: str, model: Any, kv: Any, options: DecoderOptions | None
         return spec.build(decoder_class(name), model, kv, options or DecoderOptions())
     except ValueError as e:   # a model shape the kernels do not handle
         raise SlipstreamError(f"the {name} runtime cannot run this model: {e}") from None
+
+
+def prefill_capacity(decoder: Any) -> int:
+    """The most prompt tokens one `forward` of this decoder takes as a prefill step (chunks of several
+    tokens per sequence); 0 for runtimes that run decode rows only (their prefill runs eagerly)."""
+    return int(getattr(decoder, "prefill_tokens", 0))
