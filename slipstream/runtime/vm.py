@@ -1,4 +1,4 @@
-"""A torch executor of plans (`plan.py`): the CPU reference for the persistent Triton megakernel.
+"""A torch executor of plans (`runtime/plan/`): the CPU reference for the persistent Triton megakernel.
 
 It runs the task table in order, one task at a time, at exactly the kernel's tile granularity,
 reading and writing the same flat buffers through views, so a wrong offset, tile bound or event in

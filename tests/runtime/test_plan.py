@@ -1,4 +1,4 @@
-"""Megakernel plans (`runtime/plan.py`): the static validator on real shapes and on broken plans, save and
+"""Megakernel plans (`runtime/plan/`): the static validator on real shapes and on broken plans, save and
 load, and the torch VM (`runtime/vm.py`) against the eager step on a tiny random model."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from slipstream.step import StepInput, decode_step, prefill_step
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime.plan import (LAYER, OP, T0, T1, WAIT_COUNT, WAIT_EV, Op, Plan, PlanError, TileConfig,
                                      WeightLayout, compile_plan, fill_inputs, new_buffers, pack_weights, supports,
-                                     validate, _check_data_flow)
+                                     validate)
+from slipstream.runtime.plan.validator import _check_data_flow
 from slipstream.runtime.vm import PlanDecoder, run_plan
 from slipstream.weights.quant import Linear
 
