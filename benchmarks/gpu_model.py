@@ -139,7 +139,9 @@ def loop_cost(loop: sass.Loop) -> LoopCost:
 
 # -- the megakernel ---------------------------------------------------------------------------------
 def _op_branches(path: Path) -> tuple[dict[int, tuple[int, int]], list[str]]:
-    """{opcode: (first line, last line)} of the `if op == N` chain in `_megakernel`, and the source lines."""
+    """{opcode: (first line, last line)} of the `if op == OPCODE` chain in `_megakernel` (the opcodes
+    named as in the task table), and the source lines."""
+    from slipstream.kernels.triton.task_table import Op
     text = path.read_text()
     tree = ast.parse(text)
     out: dict[int, tuple[int, int]] = {}
@@ -147,8 +149,8 @@ def _op_branches(path: Path) -> tuple[dict[int, tuple[int, int]], list[str]]:
     for node in ast.walk(fn):
         if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
                 isinstance(node.test.left, ast.Name) and node.test.left.id == "op" and \
-                isinstance(node.test.comparators[0], ast.Constant):
-            op = int(node.test.comparators[0].value)
+                isinstance(node.test.comparators[0], ast.Name) and node.test.comparators[0].id in Op.__members__:
+            op = int(Op[node.test.comparators[0].id])
             out[op] = (node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno)
             if node.orelse and not isinstance(node.orelse[0], ast.If):   # the final else: the last opcode
                 out[op + 100] = (node.orelse[0].lineno, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
@@ -177,7 +179,8 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
     k = mk.compile_offline(plan, num_warps=num_warps, prefetch=prefetch)
     use = mk.resource_usage(k.asm["cubin"])
     text = sass.disassemble(k.asm["cubin"])
-    branches, src = _op_branches(Path(mk.__file__))
+    from slipstream.kernels.triton import megakernel as kernel_src
+    branches, src = _op_branches(Path(kernel_src.__file__))
     per_op: dict[int, list[tuple[str, LoopCost]]] = {}
     for lp in sass.loops(text):
         if not lp.innermost:

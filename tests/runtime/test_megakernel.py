@@ -164,7 +164,8 @@ ptx = kernel.asm["ptx"]
 assert ("globaltimer" in ptx) == {profile}
 use = mk.resource_usage(kernel.asm["cubin"])
 assert use["stack"] <= 64, use
-src = open(mk.__file__).read()
+from slipstream.kernels.triton import megakernel as kernel_src
+src = open(kernel_src.__file__).read()
 lines_of = src.splitlines()
 calls = {{i + 1 for i, t in enumerate(lines_of) if "_mv_tile(" in t and "def " not in t}}
 # the helpers' own lines (Triton 3.6 attributes inlined code to them, 3.9 to the call site)
