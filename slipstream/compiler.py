@@ -20,13 +20,17 @@ from slipstream.weights.artifact import ARTIFACT_FILE, FORMAT, LAYER_LINEARS, LA
 from slipstream.weights.quant import DENSE_FROM_ROWS
 
 PLAN_BATCHES = (1, 2, 4, 8)
+GPU_PROGRAMS = 132   # the megakernel's programs when this machine has no GPU: an H100's (and H200's) SMs
 
 
 def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike, *,
-                  plan_context: int | None = None, block_size: int = 16, tune: bool = False) -> dict[str, Any]:
+                  plan_context: int | None = None, block_size: int = 16, tune: bool = False,
+                  num_programs: int | None = None) -> dict[str, Any]:
     """Load a model the ordinary way and write its artifact; returns the manifest. The megakernel's
     plans are compiled for contexts up to `plan_context` (default: the model's maximum) and the
-    cache's `block_size`; `tune` times the matvec tiles on this machine's GPU."""
+    cache's `block_size`, with the tiles the runtime would choose (`plan.default_tiles`) for
+    `num_programs` persistent programs (default: this machine's GPU's SMs, else `GPU_PROGRAMS`);
+    `tune` times the matvec tiles on this machine's GPU."""
     from safetensors.torch import save_file
 
     from slipstream import __version__
@@ -78,17 +82,18 @@ def compile_model(model_name: str | os.PathLike | None, out: str | os.PathLike, 
         },
         "compile_s": None,
     }
-    manifest["kernels"].update(_write_kernel_plans(model, out, plan_context, block_size, tune))
+    manifest["kernels"].update(_write_kernel_plans(model, out, plan_context, block_size, tune, num_programs))
     manifest["compile_s"] = round(time.perf_counter() - t0, 3)
     (out / ARTIFACT_FILE).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
-def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: int, tune: bool) -> dict[str, Any]:
+def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: int, tune: bool,
+                        num_programs: int | None = None) -> dict[str, Any]:
     """kernel_configs.json and the megakernel plans (validated), when the model's shape allows them."""
     from slipstream.kernels.triton.configs import KernelConfigs, decode_shapes, tune_matvec
     from slipstream.runtime.buckets import context_buckets
-    from slipstream.runtime.plan import TileConfig, WeightLayout, compile_plan, supports, validate
+    from slipstream.runtime.plan import WeightLayout, compile_plan, default_tiles, supports, validate
 
     configs = KernelConfigs()
     if tune:
@@ -102,13 +107,16 @@ def _write_kernel_plans(model, out: Path, plan_context: int | None, block_size: 
         info["plans_skipped"] = why
         return info
     context = plan_context or model.cfg.max_position_embeddings
+    if num_programs is None:
+        num_programs = (torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available()
+                        else GPU_PROGRAMS)
     layout = WeightLayout.for_config(model.cfg, tied=model.embed is model.lm_head)
     (out / "plans").mkdir(exist_ok=True)
     for b in PLAN_BATCHES:
         for c in context_buckets(context):
-            plan = compile_plan(model.cfg, b, c, block_size, layout, TileConfig())
+            plan = compile_plan(model.cfg, b, c, block_size, layout, default_tiles(model.cfg, c, num_programs))
             validate(plan)
             plan.save(out / "plans" / f"batch_{b}_context_{c}.json")
             info["plans"][f"{b},{c}"] = f"plans/batch_{b}_context_{c}.json"
-    info.update(plan_context=context, plan_block_size=block_size)
+    info.update(plan_context=context, plan_block_size=block_size, plan_programs=num_programs)
     return info

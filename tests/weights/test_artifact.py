@@ -50,17 +50,26 @@ def test_the_artifact_is_the_same_model(artifact):
 
 def test_the_artifact_carries_validated_plans_and_kernel_configs(artifact):
     from slipstream.runtime.megakernel import MegakernelDecoder
-    from slipstream.runtime.plan import Plan, validate
+    from slipstream.runtime.plan import Plan, default_tiles, validate
 
     manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
     k = manifest["kernels"]
     assert k["plan_context"] == 8192
     assert sorted(k["plans"]) == sorted(f"{b},{c}" for b in (1, 2, 4, 8) for c in (512, 2048, 8192))
-    hints = load_model(artifact).runtime_hints
+    # the plans carry the tiles the runtime would choose for the GPU's programs (132 SMs without a GPU)
+    programs = k["plan_programs"]
+    if not torch.cuda.is_available():
+        assert programs == 132
+    loaded = load_model(artifact)
+    hints = loaded.runtime_hints
     assert hints["kernel_configs"].attention["partition"] == 256
     plan = Plan.load(hints["plans"][(4, 2048)])
     validate(plan)
-    assert plan.batch == 4 and plan.num_layers == 30 and plan.max_context == 2048 and plan.splits == 8
+    assert plan.tiles == default_tiles(loaded.config, 2048, programs)
+    assert plan.batch == 4 and plan.num_layers == 30 and plan.max_context == 2048
+    assert plan.splits == 2048 // plan.tiles.partition
+    if programs == 132:   # SmolLM2-135M: 16-row O/DOWN tiles (36 tasks) and 32-token partitions (3 x 64 tasks)
+        assert (plan.tiles.o, plan.tiles.down, plan.tiles.partition, plan.splits) == (16, 16, 32, 64)
     # the megakernel runtime takes the compiled plans instead of compiling them at start-up
     llm = LLM(artifact, kv_cache_tokens=4096, runtime="eager")
     dec = MegakernelDecoder(llm.model, llm.engine.kv, max_batch=4, max_context=4096, plans=hints["plans"])
