@@ -6,7 +6,8 @@ from typing import Any
 
 from slipstream.errors import ModelLoadError
 
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "gemma3_text")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "smollm", "smollm2", "gemma3_text", "gemma2", "phi3",
+                "qwen2_moe", "qwen3_moe")
 DEEPSEEK_FAMILY = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
 
 
@@ -37,6 +38,21 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None   # "sliding" | "full" per layer
     rope_local_theta: float | None = None        # the sliding layers' RoPE base
+    # Gemma 2: tanh soft-capping of the attention scores and of the final logits (cap * tanh(x / cap))
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Phi-3/4: RoPE over the first `rotary_dim` dims of each head only (None: the whole head);
+    # LongRoPE is a `rope_scaling` of type "longrope" (short/long factors, attention factor)
+    rotary_dim: int | None = None
+    # Qwen2-MoE / Qwen3-MoE: softmax top-k routing over `num_experts` SwiGLU experts of
+    # `moe_intermediate_size`; Qwen2-MoE adds a shared expert gated by a sigmoid; layers listed
+    # False in `moe_layers` are dense (`intermediate_size`)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -45,6 +61,44 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that rotate (the leading ones)."""
+        return self.rotary_dim or self.head_dim
+
+    def eager_only(self) -> str | None:
+        """The features of this model that only the eager step computes (None: a plain Llama-family
+        step: Llama, Mistral, Qwen2/3, SmolLM2, Phi-3 without LongRoPE or partial rotary). The
+        native, graph and megakernel runtimes and tensor parallelism must refuse a model for which
+        this is not None."""
+        feats = []
+        if self.num_experts:
+            feats.append("mixture-of-experts layers")
+        if self.attn_softcap or self.final_softcap:
+            feats.append("logit soft-capping")
+        if self.sandwich_norms:
+            feats.append("norms after attention and MLP")
+        if self.hidden_act != "silu":
+            feats.append(f"{self.hidden_act} GLU")
+        if self.embed_scale is not None:
+            feats.append("a scaled embedding")
+        if self.layer_types and "sliding" in self.layer_types:
+            feats.append("sliding-window layers")
+        if self.attn_scale is not None and abs(self.attn_scale - self.head_dim ** -0.5) > 1e-12:
+            feats.append("an attention scale other than 1/sqrt(head_dim)")
+        if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
+            feats.append("partial rotary embeddings")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        if kind not in (None, "default", "linear", "llama3"):
+            feats.append(f"{kind} RoPE scaling")
+        if not feats:
+            return None
+        name = FAMILY_NAMES.get(self.architecture, self.architecture)
+        return f"{name} needs the eager runtime ({', '.join(feats)})"
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -63,6 +117,12 @@ class ModelConfig:
                 scaling = params
         if mt == "gemma3_text":
             return cls._gemma3(cfg)
+        if mt == "gemma2":
+            return _gemma_config(cfg, cls, version=2)
+        if mt == "phi3":
+            return _phi3_config(cfg, cls)
+        if mt in ("qwen2_moe", "qwen3_moe"):
+            return _qwen_moe_config(cfg, cls)
         return cls(
             architecture={"qwen2": "qwen2", "qwen3": "qwen3"}.get(mt, "llama"),
             vocab_size=cfg["vocab_size"],
@@ -82,10 +142,26 @@ class ModelConfig:
         )
 
 
+FAMILY_NAMES = {"gemma2": "Gemma 2", "gemma3": "Gemma 3", "phi3": "Phi-3", "qwen2moe": "Qwen2-MoE",
+                "qwen3moe": "Qwen3-MoE"}
+
+
 def _gemma3_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
+    return _gemma_config(cfg, cls, version=3)
+
+
+def _gemma_config(cfg: dict[str, Any], cls: Any, version: int) -> "ModelConfig":
+    """Gemma 2 and Gemma 3 (text): Gemma 2 has soft-capping, no q/k norms, one RoPE base and every
+    other layer sliding; Gemma 3 q/k norms and its sliding layers' own RoPE base."""
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:   # transformers v5: one dict per layer type
+    if version == 2:
+        theta = (params or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or None
+        local_theta = None
+        if isinstance(params, dict) and params.get("rope_type", "default") != "default":
+            scaling = params
+    elif isinstance(params, dict) and "full_attention" in params:   # transformers v5: one dict per layer type
         full, local = params["full_attention"], params.get("sliding_attention", {})
         theta, local_theta = full.get("rope_theta", 1e6), local.get("rope_theta", 10000.0)
         scaling = full if full.get("rope_type", "default") != "default" else None
@@ -93,27 +169,88 @@ def _gemma3_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
         theta, local_theta = cfg.get("rope_theta", 1e6), cfg.get("rope_local_base_freq", 10000.0)
         scaling = cfg.get("rope_scaling") or None
     n = cfg["num_hidden_layers"]
+    period = 2 if version == 2 else cfg.get("sliding_window_pattern", 6)
     types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
-        for i in range(n)]
-    if cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping"):
-        raise ModelLoadError("logit soft-capping (Gemma 2) is not supported")
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    if version == 3 and (cfg.get("final_logit_softcapping") or cfg.get("attn_logit_softcapping")):
+        raise ModelLoadError("logit soft-capping in a Gemma 3 config is not supported")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(f"unsupported Gemma activation {act!r}")
+    attn_cap, final_cap = cfg.get("attn_logit_softcapping"), cfg.get("final_logit_softcapping")
     return cls(
-        architecture="gemma3", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=n,
+        architecture=f"gemma{version}", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=n,
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or hidden // heads, intermediate_size=cfg["intermediate_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=True, hidden_act="gelu_tanh",
+        attention_bias=bool(cfg.get("attention_bias", False)), qk_norm=version == 3, hidden_act="gelu_tanh",
         embed_scale=float(hidden) ** 0.5, sandwich_norms=True,
         attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
         sliding_window=int(cfg.get("sliding_window") or 4096),
         layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-        rope_local_theta=float(local_theta))
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        attn_softcap=float(attn_cap) if attn_cap else None, final_softcap=float(final_cap) if final_cap else None)
+
+
+def _phi3_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
+    """Phi-3 / Phi-3.5 / Phi-4-mini: fused qkv and gate/up (split at load), SiLU GLU, LongRoPE with
+    short and long factors, RoPE over the leading `partial_rotary_factor` share of each head, and
+    (as transformers computes it) every layer sliding when the config has a `sliding_window`."""
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    theta, scaling, rope = _rope_settings(cfg)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    partial = float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) or 1.0)
+    n = cfg["num_hidden_layers"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported Phi-3 activation {cfg.get('hidden_act')!r}")
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("su", "yarn", "longrope"):
+            scaling = dict(scaling, rope_type="longrope")
+            scaling.setdefault("original_max_position_embeddings",
+                               cfg.get("original_max_position_embeddings", max_pos))
+    window = cfg.get("sliding_window")
+    return cls(
+        architecture="phi3", vocab_size=cfg["vocab_size"], hidden_size=hidden, num_layers=n, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+        intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
+        sliding_window=int(window) if window else None,
+        layer_types=("sliding",) * n if window else None)
+
+
+def _qwen_moe_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
+    """Qwen1.5-MoE / Qwen2-MoE (shared expert behind a sigmoid gate, q/k/v biases) and Qwen3-MoE (q/k
+    norms, no shared expert); dense layers where `mlp_only_layers` or `decoder_sparse_step` say."""
+    mt = cfg["model_type"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    theta, scaling, _ = _rope_settings(cfg)
+    n = cfg["num_hidden_layers"]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported {mt} activation {cfg.get('hidden_act')!r}")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError(f"{mt}: sliding-window attention (use_sliding_window) is not supported")
+    experts, step = int(cfg.get("num_experts") or 0), int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    qwen2 = mt == "qwen2_moe"
+    return cls(
+        architecture="qwen2moe" if qwen2 else "qwen3moe", vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        num_layers=n, num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads, intermediate_size=cfg["intermediate_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("qkv_bias", True)) if qwen2 else bool(cfg.get("attention_bias", False)),
+        qk_norm=not qwen2, num_experts=experts, num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if qwen2 else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(n)))
 
 
 def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, Any]]:

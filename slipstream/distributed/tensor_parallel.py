@@ -103,9 +103,12 @@ def _shard_llama(model: Any, world: int, rank: int) -> tuple[Any, VocabShard, Vo
     from slipstream.weights.quant import Linear
 
     c = model.cfg
-    if c.architecture == "gemma3":   # the sharded forward below is Llama's layer loop, not Gemma's
-        raise SlipstreamError("tensor parallelism does not cover Gemma 3 yet (its norms after attention and "
-                              "MLP, GeGLU and sliding windows); run it with --tensor-parallel 1")
+    # the sharded forward below is Llama's plain layer loop: refuse what it would compute wrongly
+    # (Gemma 2/3, Phi-3 with LongRoPE or partial rotary, MoE layers)
+    why = c.eager_only() if hasattr(c, "eager_only") else None
+    if why is not None or not isinstance(model, LlamaModel):
+        raise SlipstreamError(f"tensor parallelism does not cover this model yet: "
+                              f"{why or type(model).__name__}; run it with --tensor-parallel 1")
     H, KVH, D, Fd = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     h0, h1 = _span(H, world, rank, "attention heads")
     k0, k1 = _span(KVH, world, rank, "KV heads")

@@ -5,11 +5,15 @@ from typing import Any
 
 
 def build_model(config: Any, weights: dict[str, Any]):
-    """The model object for `config` (a ModelConfig -> LlamaModel, a DeepseekConfig -> DeepseekModel)."""
+    """The model object for `config` (a ModelConfig -> LlamaModel, or QwenMoeModel when it has experts;
+    a DeepseekConfig -> DeepseekModel)."""
     from slipstream.config import DeepseekConfig
 
     if isinstance(config, DeepseekConfig):
         from slipstream.models.deepseek import DeepseekModel
         return DeepseekModel(config, weights)
+    if getattr(config, "num_experts", 0):
+        from slipstream.models.qwen_moe import QwenMoeModel
+        return QwenMoeModel(config, weights)
     from slipstream.models.llama import LlamaModel
     return LlamaModel(config, weights)

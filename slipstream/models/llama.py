@@ -23,7 +23,7 @@ from slipstream.weights.quant import Linear, matvec_only
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    dim = cfg.head_dim
+    dim = cfg.rope_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if freq_factors is not None:
         return inv / freq_factors
@@ -43,12 +43,53 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         return torch.where(medium, smoothed, scaled)
+    if kind == "longrope":   # the short factors; `LongRope` picks the long ones for long sequences
+        return inv / torch.tensor(rs["short_factor"], dtype=torch.float32)
     if kind == "default":
         return inv
     raise ModelLoadError(f"unsupported rope scaling {kind!r} for the Llama family")
 
 
-class LlamaModel:
+class LongRope:
+    """LongRoPE (Phi-3/3.5/4): inverse frequencies divided by the short factors while a sequence is
+    at most `original_max_position_embeddings` long, by the long factors once it is longer (as
+    transformers picks them: by the sequence length the step reaches, for all of that step's tokens);
+    cos and sin scaled by the attention factor sqrt(1 + ln(s) / ln(original)), s = the context
+    extension, unless the config gives `attention_factor`."""
+
+    def __init__(self, cfg: ModelConfig):
+        rs = cfg.rope_scaling or {}
+        dim = cfg.rope_dim
+        base = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.original = int(rs["original_max_position_embeddings"])
+        self.short = base / torch.tensor(rs["short_factor"], dtype=torch.float32)
+        self.long = base / torch.tensor(rs["long_factor"], dtype=torch.float32)
+        factor = rs.get("factor") or cfg.max_position_embeddings / self.original
+        amp = rs.get("attention_factor")
+        if amp is None:
+            amp = math.sqrt(1 + math.log(factor) / math.log(self.original)) if factor > 1.0 else 1.0
+        self.amp = float(amp)
+
+    def to(self, device: torch.device | str) -> LongRope:
+        self.short, self.long = self.short.to(device), self.long.to(device)
+        return self
+
+    def tables(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rotary dim] of the step's rows, each row with its sequence's factors."""
+        long_rows = torch.zeros(step.token_ids.shape[0], dtype=torch.bool)
+        for s in step.seqs:
+            if s.context > self.original:
+                long_rows[s.start:s.start + s.length] = True
+        inv = torch.where(long_rows.to(self.short.device)[:, None], self.long[None, :], self.short[None, :])
+        freqs = step.positions.to(torch.float32)[:, None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.amp)[:, None, :], (emb.sin() * self.amp)[:, None, :]
+
+
+class DecoderModel:
+    """The decoder step shared by the Llama family and the Qwen MoE family: embedding, attention
+    layers over the paged cache (GQA, RoPE, optional biases, q/k norms, Gemma's extras), an FFN per
+    layer (`_ffn`, dense here), the final norm and LM head."""
     devices = ("cpu", "cuda")
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, Any]):
@@ -62,10 +103,12 @@ class LlamaModel:
         # Gemma 3's sliding-window layers rotate with their own base (and no scaling)
         self.inv_freq_local = None if cfg.rope_local_theta is None else rope_inv_freq(
             dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None))
+        kind = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type"))
+        self.longrope = LongRope(cfg) if kind == "longrope" else None
         self.device = self.embed.data.device
         self.kv_dtype = torch.float32   # the cache's element type: the weights' on a GPU
 
-    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> DecoderModel:
         """Moves the weights to `device` (dense ones cast to `dtype`; norms and RoPE stay float32) and
         makes new KV caches there in `dtype`. The residual stream and norms compute in float32."""
         moved: dict[int, Linear] = {}   # keeps tied embeddings tied
@@ -82,6 +125,8 @@ class LlamaModel:
         self.inv_freq = self.inv_freq.to(device)
         if self.inv_freq_local is not None:
             self.inv_freq_local = self.inv_freq_local.to(device)
+        if self.longrope is not None:
+            self.longrope.to(device)
         self.device = torch.device(device)
         self.kv_dtype = dtype
         return self
@@ -104,14 +149,19 @@ class LlamaModel:
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = cos.shape[-1]
+        if rd != x.shape[-1]:   # partial rotary: the leading rd dims rotate, the rest pass through
+            return torch.cat((DecoderModel._rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
     def _attention(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
-                   s: SeqSlice, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+                   s: SeqSlice, scale: float | None = None, window: int | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
         """q [len, H, D] against the sequence's cached keys -> [len, H, D]; with `window`, a query
-        sees only the keys less than `window` positions behind it (sliding-window layers)."""
+        sees only the keys less than `window` positions behind it (sliding-window layers); with
+        `softcap`, scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
         if isinstance(s.read, tuple):
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
@@ -135,9 +185,39 @@ class LlamaModel:
                 i = torch.arange(s.length, device=q.device)[:, None]
                 j = torch.arange(s.context, device=q.device)[None, :]
                 mask = j <= (s.context - s.length + i)
+        if softcap is not None:
+            return self._softcapped(qh, kh, vh, mask, causal, scale, softcap).transpose(0, 1).to(out_dtype)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=kh.shape[0] != qh.shape[0])
         return out.transpose(0, 1).to(out_dtype)
+
+    @staticmethod
+    def _softcapped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor | None,
+                    causal: bool, scale: float | None, cap: float) -> torch.Tensor:
+        """Attention with tanh soft-capped scores, [H, len, D] (SDPA has no soft-capping)."""
+        if kh.shape[0] != qh.shape[0]:
+            rep = qh.shape[0] // kh.shape[0]
+            kh, vh = kh.repeat_interleave(rep, dim=0), vh.repeat_interleave(rep, dim=0)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * (qh.shape[-1] ** -0.5 if scale is None else scale)
+        scores = torch.tanh(scores / cap) * cap
+        if causal:
+            n = qh.shape[1]
+            mask = torch.ones(n, kh.shape[1], dtype=torch.bool, device=qh.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(vh.dtype), vh)
+
+    def _ffn(self, li: int, L: Any, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Layer li's MLP on the normed h, added to the residual stream x (returned)."""
+        c = self.cfg
+        gu = L.gate_up(h)
+        f = c.intermediate_size
+        gate = F.gelu(gu[:, :f], approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gu[:, :f])
+        act = gate * gu[:, f:]
+        if L.post_ffn_norm is None:
+            L.down(act, out=x, accumulate=True)
+            return x
+        return x + F.rms_norm(L.down(act), (c.hidden_size,), L.post_ffn_norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv: PagedKVCache, return_hidden: bool = False
@@ -154,7 +234,7 @@ class LlamaModel:
         x = self.embed.dequantize(step.token_ids).to(torch.float32)
         if c.embed_scale is not None:
             x = x * torch.tensor(c.embed_scale, dtype=torch.float32)
-        rope_full = self._rope_tables(step.positions)
+        rope_full = self._rope_tables(step.positions) if self.longrope is None else self.longrope.tables(step)
         rope_local = None if self.inv_freq_local is None else self._rope_tables(step.positions, self.inv_freq_local)
         for li, L in enumerate(self.layers):
             sliding = c.is_sliding(li)
@@ -173,24 +253,18 @@ class LlamaModel:
             lk, lv = kv.k[li], kv.v[li]
             lk.index_copy_(0, step.write_slots, k.to(lk.dtype))
             lv.index_copy_(0, step.write_slots, v.to(lv.dtype))
+            cap = c.attn_softcap
             if len(step.seqs) == 1:
-                attn = self._attention(q, lk, lv, step.seqs[0], c.attn_scale, window)
+                attn = self._attention(q, lk, lv, step.seqs[0], c.attn_scale, window, cap)
             else:
-                attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s, c.attn_scale, window)
-                                  for s in step.seqs])
+                attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s, c.attn_scale,
+                                                  window, cap) for s in step.seqs])
             if L.post_attn_norm is None:
                 L.o(attn.reshape(T, qd), out=x, accumulate=True)
             else:   # Gemma: the attention output is normalized before the residual add
                 x = x + F.rms_norm(L.o(attn.reshape(T, qd)), (c.hidden_size,), L.post_attn_norm, eps)
             h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, eps)
-            gu = L.gate_up(h)
-            f = c.intermediate_size
-            gate = F.gelu(gu[:, :f], approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gu[:, :f])
-            act = gate * gu[:, f:]
-            if L.post_ffn_norm is None:
-                L.down(act, out=x, accumulate=True)
-            else:
-                x = x + F.rms_norm(L.down(act), (c.hidden_size,), L.post_ffn_norm, eps)
+            x = self._ffn(li, L, h, x)
         if return_hidden:
             h = F.rms_norm(x, (c.hidden_size,), self.norm, eps)
             last = h.index_select(0, step.logits_rows)
@@ -198,4 +272,15 @@ class LlamaModel:
             last = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), self.norm, eps)
         with matvec_only():   # a sequence's logits must not depend on how many share the step
             logits = self.lm_head(last)
+        if c.final_softcap is not None:   # Gemma 2
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return (logits, h) if return_hidden else logits
+
+
+class LlamaModel(DecoderModel):
+    """Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma 2/3 and Phi-3: dense SwiGLU/GeGLU layers. The fast
+    runtimes (native, graph, megakernel) run the plain ones; `cfg.eager_only()` names what they cannot."""
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+        super().to(device, dtype)
+        return self

@@ -1,6 +1,7 @@
 """GGUF checkpoints: config from metadata, tensors kept packed where the kernels can use them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
 from slipstream.weights.layers import LlamaLayer
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, concat_rows
 
 try:
     import gguf
@@ -18,7 +19,7 @@ try:
 except ImportError as e:  # pragma: no cover - gguf is a hard dependency of the package
     raise ImportError("reading GGUF files needs the `gguf` package") from e
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
 PACKED_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K}
 # kept as the file's own blocks, read in place from the memory map
@@ -67,9 +68,11 @@ def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
         scaling = {"rope_type": a("rope.scaling.type"), "factor": float(a("rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": a("rope.scaling.original_context_length")}
     names = {t.name for t in reader.tensors}
-    if arch == "gemma3":
-        return _gemma3_config(a, names, hidden, heads, int(kv), int(vocab), scaling)
-    return ModelConfig(
+    if arch in ("gemma2", "gemma3"):
+        return _gemma_config(arch, a, names, hidden, heads, int(kv), int(vocab), scaling)
+    if arch == "phi3":
+        return _phi3_config(reader, a, names, hidden, heads, int(kv), int(vocab))
+    cfg = ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -86,28 +89,77 @@ def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
     )
+    if arch in ("qwen2moe", "qwen3moe"):
+        # llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's
+        norm = a("expert_weights_norm", arch == "qwen3moe")
+        moe = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(cfg.num_layers)]
+        cfg = dataclasses.replace(
+            cfg, intermediate_size=int(a("feed_forward_length", 0)), num_experts=int(a("expert_count")),
+            num_experts_per_tok=int(a("expert_used_count")),
+            moe_intermediate_size=int(a("expert_feed_forward_length")),
+            shared_expert_intermediate_size=int(a("expert_shared_feed_forward_length", 0)),
+            norm_topk_prob=bool(norm), moe_layers=tuple(moe))
+    return cfg
 
 
-def _gemma3_config(a: Any, names: set[str], hidden: int, heads: int, kv: int, vocab: int,
-                   scaling: dict[str, Any] | None) -> ModelConfig:
-    """Gemma 3 as llama.cpp writes it: every sixth layer global, the others sliding with RoPE base
-    10000; norms stored as (1 + w); attention scaled by the head size (hidden / heads for the 27B)."""
+def _gemma_config(arch: str, a: Any, names: set[str], hidden: int, heads: int, kv: int, vocab: int,
+                  scaling: dict[str, Any] | None) -> ModelConfig:
+    """Gemma 2 and 3 as llama.cpp writes and reads them; norms stored as (1 + w); attention scaled by
+    the head size (hidden / heads for the 27Bs). Gemma 3: every sixth layer global, the others sliding
+    with RoPE base 10000, q/k norms. Gemma 2: even layers sliding, one RoPE base, attention and
+    final-logit soft-capping (llama.cpp's defaults 50 and 30 when the keys are absent)."""
     n = int(a("block_count"))
     head_dim = int(a("attention.key_length", hidden // heads))
-    pattern = a("attention.sliding_window_pattern", 6) or 6   # a period, or (newer files) one flag per layer
+    big = n == (46 if arch == "gemma2" else 62)
+    if arch == "gemma2":
+        types = tuple("sliding" if i % 2 == 0 else "full" for i in range(n))
+    else:
+        pattern = a("attention.sliding_window_pattern", 6) or 6   # a period, or (newer files) one flag per layer
+        types = tuple("sliding" if flag else "full" for flag in pattern) if isinstance(pattern, list) else \
+            tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(n))
+    gemma2 = arch == "gemma2"
     return ModelConfig(
-        architecture="gemma3", vocab_size=vocab, hidden_size=hidden, num_layers=n, num_heads=heads,
+        architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=n, num_heads=heads,
         num_kv_heads=kv, head_dim=head_dim, intermediate_size=int(a("feed_forward_length")),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(a("rope.freq_base", 1e6)), rope_scaling=scaling,
-        max_position_embeddings=int(a("context_length", 32768)),
-        tie_word_embeddings="output.weight" not in names, qk_norm=True, hidden_act="gelu_tanh",
+        rope_theta=float(a("rope.freq_base", 10000.0 if gemma2 else 1e6)), rope_scaling=scaling,
+        max_position_embeddings=int(a("context_length", 8192 if gemma2 else 32768)),
+        tie_word_embeddings="output.weight" not in names, qk_norm=not gemma2, hidden_act="gelu_tanh",
         embed_scale=float(hidden) ** 0.5, sandwich_norms=True,
-        attn_scale=(hidden / heads if n == 62 else head_dim) ** -0.5,
-        sliding_window=int(a("attention.sliding_window", 4096)),
-        layer_types=tuple("sliding" if flag else "full" for flag in pattern) if isinstance(pattern, list) else
-        tuple("full" if (i + 1) % int(pattern) == 0 else "sliding" for i in range(n)),
-        rope_local_theta=10000.0)
+        attn_scale=(hidden / heads if big else head_dim) ** -0.5,
+        sliding_window=int(a("attention.sliding_window", 4096)), layer_types=types,
+        rope_local_theta=None if gemma2 else 10000.0,
+        attn_softcap=float(a("attn_logit_softcapping", 50.0)) if gemma2 else None,
+        final_softcap=float(a("final_logit_softcapping", 30.0)) if gemma2 else None)
+
+
+def _phi3_config(reader: "gguf.GGUFReader", a: Any, names: set[str], hidden: int, heads: int, kv: int,
+                 vocab: int) -> ModelConfig:
+    """Phi-3/3.5/4-mini as llama.cpp's converter writes them: the rotary dims in rope.dimension_count,
+    LongRoPE's factors as the tensors rope_factors_short/long with the pre-training context in
+    rope.scaling.original_context_length and the attention factor in rope.scaling.attn_factor."""
+    n = int(a("block_count"))
+    head_dim = int(a("attention.key_length", hidden // heads))
+    rot = int(a("rope.dimension_count", head_dim))
+    max_pos = int(a("context_length", 4096))
+    scaling = None
+    if "rope_factors_long.weight" in names:
+        t = {x.name: x for x in reader.tensors}
+        orig = int(a("rope.scaling.original_context_length", max_pos))
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": orig,
+                   "short_factor": _dense(t["rope_factors_short.weight"]).reshape(-1).tolist(),
+                   "long_factor": _dense(t["rope_factors_long.weight"]).reshape(-1).tolist()}
+        amp = a("rope.scaling.attn_factor")
+        if amp is not None:
+            scaling["attention_factor"] = float(amp)
+    window = int(a("attention.sliding_window", 0) or 0)
+    return ModelConfig(
+        architecture="phi3", vocab_size=vocab, hidden_size=hidden, num_layers=n, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, intermediate_size=int(a("feed_forward_length")),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(a("rope.freq_base", 10000.0)), rope_scaling=scaling, max_position_embeddings=max_pos,
+        tie_word_embeddings="output.weight" not in names, rotary_dim=rot if rot != head_dim else None,
+        sliding_window=window or None, layer_types=("sliding",) * n if window else None)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -146,21 +198,35 @@ def _linear_from_tensor(t: Any) -> Linear:
     qt = QT(t.tensor_type)
     k = int(t.shape[0])
     n = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
-    raw = np.asarray(t.data)
+    return _linear_from_raw(qt, np.asarray(t.data), n, k)
+
+
+def expert_linears(t: Any) -> list[Linear]:
+    """A stacked expert tensor (ggml shape [K, N, E]) -> E products [N, K], each kept as stored."""
+    qt = QT(t.tensor_type)
+    k, n, e = (int(d) for d in t.shape)
+    data = np.asarray(t.data)
+    return [_linear_from_raw(qt, data[i], n, k) for i in range(e)]
+
+
+def _linear_from_raw(qt: "QT", raw: np.ndarray, n: int, k: int) -> Linear:
     if qt in (QT.Q4_0, QT.Q4_1, QT.Q8_0):  # ggml's block layout is the kernels' layout
         return Linear.from_blocks(int(qt), raw.reshape(n, -1), n, k)
     if qt == QT.Q4_K:
         return _q4k_linear(raw, n, k)
     if qt in RAW_QTYPES:
         return Linear.from_raw(int(qt), raw, n, k)
-    return Linear.dense(torch.from_numpy(_dense(t).reshape(n, k)))
+    return Linear.dense(torch.from_numpy(_dense_raw(qt, raw).reshape(n, k)))
 
 
 def _dense(t: Any) -> np.ndarray:
-    qt = QT(t.tensor_type)
+    return _dense_raw(QT(t.tensor_type), np.asarray(t.data))
+
+
+def _dense_raw(qt: "QT", raw: np.ndarray) -> np.ndarray:
     if qt == QT.F32:
-        return np.array(t.data, dtype=np.float32)  # a writable copy of the read-only map
-    return gguf.quants.dequantize(np.asarray(t.data), qt).astype(np.float32)
+        return np.array(raw, dtype=np.float32)  # a writable copy of the read-only map
+    return gguf.quants.dequantize(raw, qt).astype(np.float32)
 
 
 def _unpermute(w: Linear, n_head: int) -> Linear:
@@ -204,8 +270,20 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
     weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else lin("output.weight")
     if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors
         weights["rope_freqs"] = vec("rope_freqs.weight")
+    if cfg.num_experts:
+        from slipstream.weights.moe import qwen_moe_layers_gguf
+        weights.update(qwen_moe_layers_gguf(cfg, tensors, vec, lin, expert_linears))
+        _release_converted(reader, weights)
+        return cfg, weights, reader
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
+        if cfg.architecture == "phi3":   # fused attn_qkv (or separate q/k/v); ffn_up holds gate then up
+            qkv = lin(p + "attn_qkv.weight") if p + "attn_qkv.weight" in tensors else concat_rows(
+                [lin(p + "attn_q.weight"), lin(p + "attn_k.weight"), lin(p + "attn_v.weight")])
+            weights[f"layers.{i}"] = LlamaLayer(
+                attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "ffn_norm.weight"), qkv=qkv,
+                o=lin(p + "attn_output.weight"), gate_up=lin(p + "ffn_up.weight"), down=lin(p + "ffn_down.weight"))
+            continue
         weights[f"layers.{i}"] = LlamaLayer.fuse(
             attn_norm=vec(p + "attn_norm.weight"),
             ffn_norm=vec(p + "ffn_norm.weight"),
@@ -236,7 +314,7 @@ def _release_converted(reader: "gguf.GGUFReader", weights: dict[str, Any]) -> No
     base, size = reader.data.ctypes.data, reader.data.nbytes
     used: list[tuple[int, int]] = []   # file byte ranges that weights still read in place
     for w in weights.values():
-        for lin in (w.linears() if isinstance(w, LlamaLayer) else [w] if isinstance(w, Linear) else []):
+        for lin in (w.linears() if hasattr(w, "linears") else [w] if isinstance(w, Linear) else []):
             for part in lin.parts or (lin,):
                 a = part.data.data_ptr()
                 if base <= a < base + size:

@@ -90,7 +90,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict
         bias = state.get(prefix + ".bias")
         return Linear.dense(get(prefix + ".weight"), bias)
 
-    gemma = cfg.architecture == "gemma3"
+    gemma = cfg.architecture in ("gemma2", "gemma3")
 
     def norm(name: str) -> torch.Tensor:   # Gemma's norms multiply by (1 + w): stored with the 1 added
         return get(name) + 1.0 if gemma else get(name)
@@ -101,8 +101,18 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict
         weights["lm_head"] = weights["embed"]
     else:
         weights["lm_head"] = lin("lm_head")
+    if cfg.num_experts:
+        from slipstream.weights.moe import qwen_moe_layers_hf
+        weights.update(qwen_moe_layers_hf(cfg, get, lin))
+        return cfg, weights
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        if cfg.architecture == "phi3":   # fused qkv_proj and gate_up_proj, as our layers hold them
+            weights[f"layers.{i}"] = LlamaLayer(
+                attn_norm=get(p + "input_layernorm.weight"), ffn_norm=get(p + "post_attention_layernorm.weight"),
+                qkv=lin(p + "self_attn.qkv_proj"), o=lin(p + "self_attn.o_proj"),
+                gate_up=lin(p + "mlp.gate_up_proj"), down=lin(p + "mlp.down_proj"))
+            continue
         # Gemma: post_attention_layernorm normalizes the attention output; pre_feedforward_layernorm
         # is the MLP's input norm (Llama's post_attention_layernorm)
         weights[f"layers.{i}"] = LlamaLayer.fuse(
