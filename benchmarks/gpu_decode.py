@@ -53,6 +53,8 @@ untimed warm-up of ``--warmup`` steps, then ``--runs`` timed runs of ``--steps``
 the same state (position 512, the same first token). A run's step time is its elapsed time (CUDA
 events around the whole loop) over ``--steps``; the reported step time is the median over runs;
 tok/s = B / step time. Every timed run must end on the check run's last token (``repeatable``).
+The megakernel's error word (a wait that timed out) is checked after the check run, the warm-up
+and every timed run, outside the timing (``checked_runs``): a failed run is an error, not a time.
 
 Token checks (``checks`` in the JSON): graph and megakernel against eager, compile against hf, hf
 against eager (information only: HF keeps a bf16 residual stream, Slipstream a float32 one).
@@ -380,6 +382,13 @@ class StaticPath:
     def force_tokens(self, tok: torch.Tensor) -> None:
         self.v_tok.copy_(tok.to(self.v_tok.dtype))
 
+    def check(self) -> None:
+        """Raises if the steps since the last check failed on the device (the megakernel's error
+        word: a wait that timed out drains the kernel instead of hanging). A host synchronisation."""
+        if self.name == "megakernel":
+            from slipstream.runtime.megakernel import check
+            check(self.s)
+
     def last_tokens(self) -> torch.Tensor:
         return self.v_next
 
@@ -458,7 +467,11 @@ class HFPath:
 
 # -- measuring ---------------------------------------------------------------------------------------
 def measure(path, B: int, steps: int, warmup: int, runs: int, device: torch.device, rec: dict) -> torch.Tensor:
-    """Check run (tokens, first-step logits), warm-up, timed runs. Returns the first-step logits."""
+    """Check run (tokens, first-step logits), warm-up, timed runs. Returns the first-step logits.
+    A path with a device-side error check (`path.check`, the megakernel's) is checked after the check
+    run, after the warm-up and after every timed run (outside its timing): a run whose kernel timed
+    out raises instead of being reported; `checked_runs` counts the timed runs so checked."""
+    check = getattr(path, "check", None)
     path.reset()
     toks, first = [], None
     for i in range(steps):
@@ -469,14 +482,21 @@ def measure(path, B: int, steps: int, warmup: int, runs: int, device: torch.devi
         toks.append(path.last_tokens()[:B].clone())
     tokens = torch.stack(toks).cpu()
     rec["tokens"] = tokens.tolist()
+    if check:
+        check()
     path.reset()
     for _ in range(warmup):
         path.step()
     sync(device)
+    if check:
+        check()
     times, repeat = [], []
     for _ in range(runs):
         path.reset()
         times.append(time_loop(path.step, steps, device) / steps)
+        if check:
+            check()
+            rec["checked_runs"] = len(times)
         repeat.append(path.last_tokens()[:B].cpu().tolist() == tokens[-1].tolist())
     med = statistics.median(times)
     rec.update(status="ok", step_times_s=times, median_step_s=med, tok_s=B / med, repeatable=all(repeat),
@@ -754,9 +774,8 @@ class Bench:
             rec["captured"] = getattr(p.s, "graph", None) is not None
         rec["bucket"] = getattr(p.s, "batch", None)
         self.first[(shape, B, name)] = measure(p, B, self.a.steps, self.a.warmup, self.a.runs, self.device, rec)
-        if name == "megakernel":   # a wait that timed out drains the kernel and sets an error word
+        if name == "megakernel":   # (`measure` checked the error word after every run)
             from slipstream.runtime.megakernel import check, profile_summary
-            check(p.s)
             rec["programs"], rec["num_warps"], rec["prefetch"] = dec.num_programs, dec.num_warps, dec.prefetch
             rec["tasks"] = p.s.plan.num_tasks
             if self.device.type == "cuda":   # one more step with the kernel's own per-task timestamps
