@@ -1,0 +1,235 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini on the eager runtime against transformers' own Phi3ForCausalLM, from a
+Hugging Face folder and from a GGUF written the way llama.cpp's converter writes it (fused attn_qkv,
+ffn_up holding gate then up, rope_factors_short/long tensors, the attention factor as a key).
+
+LongRoPE: the short factors while a sequence is at most original_max_position_embeddings (16 here)
+long, the long ones once it is longer, cos/sin scaled by sqrt(1 + ln(64/16) / ln(16)). transformers
+picks the set by the length a forward call reaches, and its generate() recomputes the whole cache
+with the long factors on the step that crosses the boundary; a paged cache keeps the keys it has
+(as llama.cpp does, which picks the set once per context size), so the checks below stay on one side
+of the boundary per sequence: short sequences throughout, or a prefill that is already long."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from slipstream.kv.blocks import SequenceKV  # noqa: E402
+from slipstream.models.llama import LlamaModel  # noqa: E402
+from slipstream.runtime import registry  # noqa: E402
+from slipstream.step import StepBuilder  # noqa: E402
+from slipstream.weights.gguf import load_gguf  # noqa: E402
+from slipstream.weights.safetensors import load_hf  # noqa: E402
+
+VOCAB = 96
+ATOL = 1e-4
+ORIG = 16
+
+
+def phi_config(partial: float, tied: bool) -> transformers.Phi3Config:
+    rd = int(16 * partial)
+    g = torch.Generator().manual_seed(1)
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial,
+                short_factor=(1.0 + torch.rand(rd // 2, generator=g)).tolist(),
+                long_factor=(1.0 + 8 * torch.rand(rd // 2, generator=g)).tolist())
+    return transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   original_max_position_embeddings=ORIG, rope_parameters=rope,
+                                   tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def hf_phi3(partial: float, tied: bool, seed: int = 0) -> torch.nn.Module:
+    config = phi_config(partial, tied)
+    config._attn_implementation = "eager"
+    model = transformers.Phi3ForCausalLM(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+HF_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType]) -> None:
+    """As llama.cpp's Phi3MiniModel converter; hf gets the file's (dequantized) weights back."""
+    import math
+    c = hf.config
+    rope = c.rope_parameters
+    head_dim = c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(ORIG)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    w.add_rope_freq_base(rope["rope_theta"])
+    scale = c.max_position_embeddings / ORIG
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIG)))
+    w.add_vocab_size(c.vocab_size)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    params = dict(hf.named_parameters())
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if not c.tie_word_embeddings:
+        names["lm_head.weight"] = "output.weight"
+    for i in range(c.num_hidden_layers):
+        for src, dst in HF_TO_GGUF.items():
+            names[f"model.layers.{i}.{src}.weight"] = f"blk.{i}.{dst}.weight"
+    for src, dst in names.items():
+        arr = params[src].detach().numpy().astype(np.float32)
+        role = dst.split(".")[-2] if dst.startswith("blk.") else dst.split(".")[0]
+        qt = quant.get(role, gguf.GGMLQuantizationType.F32)
+        if qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(dst, arr)
+            continue
+        raw = gguf.quants.quantize(arr, qt)
+        w.add_tensor(dst, raw, raw_dtype=qt)
+        with torch.no_grad():
+            params[src].copy_(torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# (format, partial rotary factor, tied embeddings): Phi-3.5-mini-like and Phi-4-mini-like
+CASES = [("hf", 1.0, False), ("gguf", 1.0, False), ("hf", 0.75, True), ("gguf", 0.75, True)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-rot{p[1]}")
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
+    fmt, partial, tied = request.param
+    hf = hf_phi3(partial, tied, seed=3)
+    root = tmp_path_factory.mktemp("phi3")
+    if fmt == "hf":
+        hf.save_pretrained(root, safe_serialization=True)
+        cfg, weights = load_hf(root)
+    else:
+        Q = gguf.GGMLQuantizationType
+        write_gguf(hf, root / "p.gguf", {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1})
+        cfg, weights, _ = load_gguf(root / "p.gguf")
+    return hf, LlamaModel(cfg, weights)
+
+
+def run(model: LlamaModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
+    seq.reserve(start + len(toks))
+    b = StepBuilder()
+    b.add(seq, toks, start, logits="all" if all_rows else "last")
+    return model.forward(b.build(), kv)
+
+
+def test_config(pair):
+    hf, m = pair
+    c = m.cfg
+    partial = hf.config.rope_parameters["partial_rotary_factor"]
+    assert c.architecture == "phi3" and c.rope_scaling["rope_type"] == "longrope"
+    assert c.rope_dim == int(16 * partial) and m.longrope is not None
+    assert m.longrope.amp == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-6)
+    assert "longrope RoPE scaling" in (c.eager_only() or "")
+    if partial != 1.0:
+        assert "partial rotary" in (c.eager_only() or "")
+
+
+def test_runtimes_refuse_it(pair):
+    _, m = pair
+    if registry.unsupported("native", m) is None:
+        pytest.xfail("runtime/registry.py does not consult ModelConfig.eager_only() yet")
+    assert registry.resolve_runtime("auto", m) == "eager"
+
+
+def test_short_sequence_prefill_chunks_and_decode(pair):
+    hf, m = pair
+    toks = torch.randint(0, VOCAB, (ORIG,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()   # 16 tokens: the short factors
+    kv = m.new_kv_cache(num_blocks=12, block_size=4)
+    seq = SequenceKV(kv)
+    torch.testing.assert_close(run(m, kv, seq, 0, toks[:7], all_rows=True), ref[:7], atol=ATOL, rtol=0)
+    torch.testing.assert_close(run(m, kv, seq, 7, toks[7:12], all_rows=True), ref[7:12], atol=ATOL, rtol=0)
+    for p in range(12, ORIG):
+        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+
+
+def test_long_sequence_uses_the_long_factors(pair):
+    hf, m = pair
+    toks = torch.randint(0, VOCAB, (28,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()   # 28 > 16 tokens: the long factors
+        short = hf(torch.tensor([toks[:ORIG]])).logits[0].float()
+    assert (ref[:ORIG] - short).abs().max() > 1e-2           # the two sets differ enough to tell apart
+    kv = m.new_kv_cache(num_blocks=12, block_size=4)
+    seq = SequenceKV(kv)
+    torch.testing.assert_close(run(m, kv, seq, 0, toks[:20], all_rows=True), ref[:20], atol=ATOL, rtol=0)
+    torch.testing.assert_close(run(m, kv, seq, 20, toks[20:24], all_rows=True), ref[20:24], atol=ATOL, rtol=0)
+    for p in range(24, 28):
+        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+
+
+def test_batched_short_and_long_sequences(pair):
+    """One step holding a short and a long sequence: each row rotates with its own sequence's factors."""
+    _, m = pair
+    a = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8)).tolist()
+    b = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(9)).tolist()
+    kv = m.new_kv_cache(num_blocks=16, block_size=4)
+    alone = [run(m, kv, SequenceKV(kv), 0, t)[0] for t in (a, b)]
+    sa, sb = SequenceKV(kv), SequenceKV(kv)
+    sa.reserve(len(a))
+    sb.reserve(len(b))
+    step = StepBuilder()
+    step.add(sa, a, 0, logits="last")
+    step.add(sb, b, 0, logits="last")
+    both = m.forward(step.build(), kv)
+    torch.testing.assert_close(both, torch.stack(alone), atol=1e-5, rtol=0)
+
+
+def test_greedy_matches_generate(pair):
+    hf, m = pair
+    toks = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6)).tolist()
+    n = ORIG - len(toks)   # stays within the short factors (see the module's docstring)
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([toks]), max_new_tokens=n, do_sample=False)[0, 5:].tolist()
+    kv = m.new_kv_cache(num_blocks=8, block_size=4)
+    seq = SequenceKV(kv)
+    logits = run(m, kv, seq, 0, toks)
+    ours = []
+    for i in range(n):
+        ours.append(int(logits[0].argmax()))
+        logits = run(m, kv, seq, len(toks) + i, [ours[-1]])
+    assert ours == gen
+
+
+def test_plain_phi3_is_a_llama_step(tmp_path):
+    """Phi-3-mini-4k (no rope scaling, whole-head rotary, no window): nothing eager-only, so the fast
+    runtimes may take it; its weights are the fused ones."""
+    from slipstream.config import ModelConfig
+    cfg = ModelConfig.from_hf(dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                   max_position_embeddings=4096, rope_theta=10000.0, sliding_window=None))
+    assert cfg.architecture == "phi3" and cfg.eager_only() is None and cfg.rope_scaling is None
+    windowed = ModelConfig.from_hf(dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4, sliding_window=2047))
+    assert windowed.layer_types == ("sliding", "sliding") and "sliding" in (windowed.eager_only() or "")
+
+
+def test_tensor_parallelism_refuses_it(pair):
+    from slipstream.distributed.tensor_parallel import _shard_llama
+    from slipstream.errors import SlipstreamError
+    with pytest.raises(SlipstreamError, match="Phi-3"):
+        _shard_llama(pair[1], 2, 0)
