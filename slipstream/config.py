@@ -235,7 +235,8 @@ def _qwen_moe_config(cfg: dict[str, Any], cls: Any) -> "ModelConfig":
         raise ModelLoadError(f"unsupported {mt} activation {cfg.get('hidden_act')!r}")
     if cfg.get("use_sliding_window"):
         raise ModelLoadError(f"{mt}: sliding-window attention (use_sliding_window) is not supported")
-    experts, step = int(cfg.get("num_experts") or 0), int(cfg.get("decoder_sparse_step") or 1)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
     dense_only = set(cfg.get("mlp_only_layers") or [])
     qwen2 = mt == "qwen2_moe"
     return cls(
