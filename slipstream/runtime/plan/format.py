@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,30 +258,9 @@ class Plan:
         tasks = torch.tensor(doc["tasks"], dtype=torch.int64).reshape(-1, NUM_COLS)
         return cls(tasks=tasks, **meta)
 
-    def describe(self) -> str:
-        """A few lines for logs and the CLI: tasks per opcode and the event families."""
-        ops = Counter(int(o) for o in self.tasks[:, OP].tolist())
-        lines = [f"plan: {self.num_tasks} tasks, {self.num_events} events; batch {self.batch}, "
-                 f"max_context {self.max_context} ({self.splits} splits of {self.tiles.partition}), "
-                 f"block_size {self.block_size}",
-                 "  tasks: " + ", ".join(f"{_op_name(o)} {n}" for o, n in sorted(ops.items()))]
-        families: dict[str, list[int]] = {}
-        for name, count in zip(self.event_names, self.event_counts):
-            families.setdefault(name.split("[")[0], []).append(count)
-        lines.append("  events: " + ", ".join(
-            f"{fam} x{len(c)} (count {_span_text(c)})" for fam, c in families.items()))
-        return "\n".join(lines)
-
 
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
-
-
-def _span_text(counts: list[int]) -> str:
-    lo, hi = min(counts), max(counts)
-    return str(lo) if lo == hi else f"{lo}..{hi}"
-
-
 
 
 def _op_name(op: int) -> str:
