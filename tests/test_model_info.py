@@ -50,3 +50,64 @@ def test_a_damaged_file_is_one_error_line(tmp_path: Path, damage: str):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(bad) in lines[0], proc.stderr
+
+
+# -- the families beyond Llama, on tiny GGUFs written as llama.cpp's converter writes them ---------------
+
+def _family_module(name: str):
+    """A tests/models module (its transformers model and GGUF writer), loaded by path."""
+    import importlib.util
+    path = Path(__file__).parent / "models" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_inspect_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tiny_tokenizer(w) -> None:
+    """A byte-level BPE vocabulary of 96 tokens (printable ASCII, then BOS and EOS), no merges."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x21 + i) for i in range(94)] + ["<s>", "</s>"])
+    w.add_token_types([1] * 94 + [3, 3])
+    w.add_token_merges([])
+    w.add_bos_token_id(94)
+    w.add_eos_token_id(95)
+
+
+def _write_family(family: str, path: Path) -> None:
+    pytest.importorskip("transformers")
+    if family == "gemma2":
+        m = _family_module("test_gemma2")
+        m.write_gguf(m.hf_gemma2(), path, {}, _tiny_tokenizer)
+    elif family == "phi3":
+        m = _family_module("test_phi3")
+        m.write_gguf(m.hf_phi3(0.75, True), path, {}, _tiny_tokenizer)
+    else:
+        m = _family_module("test_qwen_moe")
+        import gguf
+        m.write_gguf(m.hf_moe(family), path, family, {"ffn_up_exps": gguf.GGMLQuantizationType.Q8_0}, _tiny_tokenizer)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen2moe", "qwen3moe"])
+def test_inspect_each_family(tmp_path: Path, family: str):
+    """inspect describes the file and says the eager runtime runs it, with each fast runtime's reason."""
+    from slipstream.model_info import inspect_model, render
+    path = tmp_path / f"{family}.gguf"
+    _write_family(family, path)
+    r = inspect_model(path)
+    assert r.format == "gguf" and r.architecture == family and r.parameters > 0
+    assert r.runtimes["eager"] == "ok" and set(r.runtimes) >= {"eager", "native", "graph", "megakernel"}
+    assert r.runtime == "eager" and all(r.runtimes[n] != "ok" for n in ("native", "graph", "megakernel"))
+    if family.endswith("moe"):
+        assert "Q8_0" in r.types
+    text = render(r)
+    assert family in text and "eager" in text
+
+
+def test_inspect_cli_on_a_family_file(tmp_path: Path):
+    path = tmp_path / "qwen3moe.gguf"
+    _write_family("qwen3moe", path)
+    proc = inspect(str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["architecture"] == "qwen3moe" and r["runtime"] == "eager"

@@ -278,9 +278,17 @@ class DecoderModel:
 
 
 class LlamaModel(DecoderModel):
-    """Llama 2/3, Mistral, Qwen2/3, SmolLM2, Gemma 2/3 and Phi-3: dense SwiGLU/GeGLU layers. The fast
-    runtimes (native, graph, megakernel) run the plain ones; `cfg.eager_only()` names what they cannot."""
+    """Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3 without LongRoPE or partial rotary, and Gemma 3
+    (which the runtime registry refuses by name): the models the fast runtimes (native, graph,
+    megakernel) and tensor parallelism accept."""
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
         super().to(device, dtype)
         return self
+
+
+class EagerDecoderModel(DecoderModel):
+    """A Llama-family model whose config has features only the eager step computes (Gemma 2, Phi-3
+    with LongRoPE or partial rotary, any sliding window: `cfg.eager_only()` names them). Not a
+    `LlamaModel`, so the fast runtimes, which accept only that class, refuse it instead of computing
+    it wrongly; `models.build_model` picks it."""

@@ -6,6 +6,7 @@ of the final logits (caps small enough here that the tanh bends)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import LlamaModel  # noqa: E402
+from slipstream.models import build_model  # noqa: E402
+from slipstream.models.llama import EagerDecoderModel, LlamaModel  # noqa: E402
 from slipstream.runtime import registry  # noqa: E402
 from slipstream.step import StepBuilder  # noqa: E402
 from slipstream.weights.gguf import load_gguf  # noqa: E402
@@ -52,7 +54,8 @@ HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "post_ffw_norm"}
 
 
-def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType]) -> None:
+def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType],
+               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """As llama.cpp's converter: norms stored with the 1 added, the soft-caps and the window as keys;
     `quant` by tensor role. hf gets the file's (dequantized) weights back."""
     c = hf.config
@@ -89,6 +92,8 @@ def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuanti
         w.add_tensor(dst, raw, raw_dtype=qt)
         with torch.no_grad():
             params[src].copy_(torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)))
+    if extra is not None:   # more metadata (a tokenizer, for `slipstream inspect`)
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -96,7 +101,7 @@ def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuanti
 
 
 @pytest.fixture(scope="module", params=["hf", "gguf"])
-def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EagerDecoderModel]:
     hf = hf_gemma2(seed=3)
     root = tmp_path_factory.mktemp("gemma2")
     if request.param == "hf":
@@ -106,10 +111,10 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
         Q = gguf.GGMLQuantizationType
         write_gguf(hf, root / "g.gguf", {"token_embd": Q.Q8_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "ffn_down": Q.Q5_1})
         cfg, weights, _ = load_gguf(root / "g.gguf")
-    return hf, LlamaModel(cfg, weights)
+    return hf, build_model(cfg, weights)
 
 
-def run(model: LlamaModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
+def run(model: EagerDecoderModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
     seq.reserve(start + len(toks))
     b = StepBuilder()
     b.add(seq, toks, start, logits="all" if all_rows else "last")
@@ -127,9 +132,10 @@ def test_config(pair):
 
 def test_runtimes_refuse_it(pair):
     _, m = pair
-    if registry.unsupported("native", m) is None:
-        pytest.xfail("runtime/registry.py does not consult ModelConfig.eager_only() yet")
+    assert isinstance(m, EagerDecoderModel) and not isinstance(m, LlamaModel)
     assert registry.resolve_runtime("auto", m) == "eager"
+    for name in ("native", "graph", "megakernel"):
+        assert registry.unsupported(name, m) is not None
 
 
 def test_prefill_chunks_and_decode_match_transformers(pair):

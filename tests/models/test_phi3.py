@@ -11,6 +11,7 @@ of the boundary per sequence: short sequences throughout, or a prefill that is a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models.llama import LlamaModel  # noqa: E402
+from slipstream.models import build_model  # noqa: E402
+from slipstream.models.llama import EagerDecoderModel, LlamaModel  # noqa: E402
 from slipstream.runtime import registry  # noqa: E402
 from slipstream.step import StepBuilder  # noqa: E402
 from slipstream.weights.gguf import load_gguf  # noqa: E402
@@ -63,7 +65,8 @@ HF_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output
               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType]) -> None:
+def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType],
+               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """As llama.cpp's Phi3MiniModel converter; hf gets the file's (dequantized) weights back."""
     import math
     c = hf.config
@@ -103,6 +106,8 @@ def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuanti
         w.add_tensor(dst, raw, raw_dtype=qt)
         with torch.no_grad():
             params[src].copy_(torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)))
+    if extra is not None:   # more metadata (a tokenizer, for `slipstream inspect`)
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -114,7 +119,7 @@ CASES = [("hf", 1.0, False), ("gguf", 1.0, False), ("hf", 0.75, True), ("gguf", 
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-rot{p[1]}")
-def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
+def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EagerDecoderModel]:
     fmt, partial, tied = request.param
     hf = hf_phi3(partial, tied, seed=3)
     root = tmp_path_factory.mktemp("phi3")
@@ -125,10 +130,10 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
         Q = gguf.GGMLQuantizationType
         write_gguf(hf, root / "p.gguf", {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1})
         cfg, weights, _ = load_gguf(root / "p.gguf")
-    return hf, LlamaModel(cfg, weights)
+    return hf, build_model(cfg, weights)
 
 
-def run(model: LlamaModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
+def run(model: EagerDecoderModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
     seq.reserve(start + len(toks))
     b = StepBuilder()
     b.add(seq, toks, start, logits="all" if all_rows else "last")
@@ -149,9 +154,10 @@ def test_config(pair):
 
 def test_runtimes_refuse_it(pair):
     _, m = pair
-    if registry.unsupported("native", m) is None:
-        pytest.xfail("runtime/registry.py does not consult ModelConfig.eager_only() yet")
+    assert isinstance(m, EagerDecoderModel) and not isinstance(m, LlamaModel)
     assert registry.resolve_runtime("auto", m) == "eager"
+    for name in ("native", "graph", "megakernel"):
+        assert registry.unsupported(name, m) is not None
 
 
 def test_short_sequence_prefill_chunks_and_decode(pair):

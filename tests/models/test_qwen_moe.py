@@ -7,6 +7,7 @@ and a dense layer among the MoE ones (mlp_only_layers)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -57,7 +58,8 @@ def hf_moe(family: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def write_gguf(hf: torch.nn.Module, path: Path, family: str, quant: dict[str, gguf.GGMLQuantizationType]) -> None:
+def write_gguf(hf: torch.nn.Module, path: Path, family: str, quant: dict[str, gguf.GGMLQuantizationType],
+               extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """As llama.cpp's converter (experts stacked [E, N, K]); hf gets the file's (dequantized) weights back."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), family)
@@ -125,6 +127,8 @@ def write_gguf(hf: torch.nn.Module, path: Path, family: str, quant: dict[str, gg
             for proj, dst in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
                 put(b + dst + ".weight", state[s + proj + ".weight"], dst, s + proj + ".weight")
             w.add_tensor(b + "ffn_gate_inp_shexp.weight", state[m + "shared_expert_gate.weight"].reshape(-1))
+    if extra is not None:   # more metadata (a tokenizer, for `slipstream inspect`)
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
