@@ -114,7 +114,7 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EagerDecoderModel]
     return hf, build_model(cfg, weights)
 
 
-def run(model: EagerDecoderModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
+def run(model, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
     seq.reserve(start + len(toks))
     b = StepBuilder()
     b.add(seq, toks, start, logits="all" if all_rows else "last")

@@ -33,20 +33,22 @@ ATOL = 1e-4
 ORIG = 16
 
 
-def phi_config(partial: float, tied: bool) -> transformers.Phi3Config:
+def phi_config(partial: float, tied: bool, longrope: bool = True) -> transformers.Phi3Config:
     rd = int(16 * partial)
     g = torch.Generator().manual_seed(1)
     rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial,
                 short_factor=(1.0 + torch.rand(rd // 2, generator=g)).tolist(),
                 long_factor=(1.0 + 8 * torch.rand(rd // 2, generator=g)).tolist())
+    if not longrope:
+        rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=partial)
     return transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    original_max_position_embeddings=ORIG, rope_parameters=rope,
                                    tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
-def hf_phi3(partial: float, tied: bool, seed: int = 0) -> torch.nn.Module:
-    config = phi_config(partial, tied)
+def hf_phi3(partial: float, tied: bool, seed: int = 0, longrope: bool = True) -> torch.nn.Module:
+    config = phi_config(partial, tied, longrope)
     config._attn_implementation = "eager"
     model = transformers.Phi3ForCausalLM(config).to(torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
@@ -83,11 +85,12 @@ def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuanti
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     w.add_rope_freq_base(rope["rope_theta"])
-    scale = c.max_position_embeddings / ORIG
-    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIG)))
     w.add_vocab_size(c.vocab_size)
-    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if rope["rope_type"] == "longrope":
+        scale = c.max_position_embeddings / ORIG
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIG)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     params = dict(hf.named_parameters())
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not c.tie_word_embeddings:
@@ -128,12 +131,13 @@ def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, EagerDecoderModel]
         cfg, weights = load_hf(root)
     else:
         Q = gguf.GGMLQuantizationType
-        write_gguf(hf, root / "p.gguf", {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1})
+        quant = {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
+        write_gguf(hf, root / "p.gguf", quant)
         cfg, weights, _ = load_gguf(root / "p.gguf")
     return hf, build_model(cfg, weights)
 
 
-def run(model: EagerDecoderModel, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
+def run(model, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
     seq.reserve(start + len(toks))
     b = StepBuilder()
     b.add(seq, toks, start, logits="all" if all_rows else "last")
@@ -221,14 +225,42 @@ def test_greedy_matches_generate(pair):
     assert ours == gen
 
 
-def test_plain_phi3_is_a_llama_step(tmp_path):
-    """Phi-3-mini-4k (no rope scaling, whole-head rotary, no window): nothing eager-only, so the fast
-    runtimes may take it; its weights are the fused ones."""
+def test_plain_phi3_runs_on_the_native_runtime(tmp_path):
+    """Phi-3 without rope scaling, partial rotary or a window (Phi-3-mini-4k less its window) is a plain
+    Llama step over fused weights: a LlamaModel, which the native runtime takes and computes as the
+    eager step does (and the eager step as transformers does)."""
+    from support import decode_step, prefill_step
+
     from slipstream.config import ModelConfig
+    from slipstream.kernels.cpu import load_library
     cfg = ModelConfig.from_hf(dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                    max_position_embeddings=4096, rope_theta=10000.0, sliding_window=None))
     assert cfg.architecture == "phi3" and cfg.eager_only() is None and cfg.rope_scaling is None
+    hf = hf_phi3(1.0, False, seed=4, longrope=False)
+    write_gguf(hf, tmp_path / "plain.gguf", {})
+    cfg, weights, _ = load_gguf(tmp_path / "plain.gguf")
+    m = build_model(cfg, weights)
+    assert isinstance(m, LlamaModel) and cfg.eager_only() is None
+    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()
+    kv = m.new_kv_cache(num_blocks=8, block_size=4)
+    torch.testing.assert_close(run(m, kv, SequenceKV(kv), 0, toks, all_rows=True), ref, atol=ATOL, rtol=0)
+    if load_library() is None:
+        pytest.skip("native CPU kernels unavailable")
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    assert registry.resolve_runtime("auto", m) == "native"
+    kv_e, kv_t = m.new_kv_cache(16), m.new_kv_cache(16)
+    team = CpuTeamDecoder(m, kv_t, exact=True)
+    se, st = SequenceKV(kv_e), SequenceKV(kv_t)
+    m.forward(prefill_step(se, toks[:8], extra=8), kv_e)
+    m.forward(prefill_step(st, toks[:8], extra=8), kv_t)
+    for p in range(8, 12):
+        le = m.forward(decode_step([se], [toks[p]], [p]), kv_e)
+        lt = team.forward(decode_step([st], [toks[p]], [p]))
+        torch.testing.assert_close(lt, le, atol=ATOL, rtol=0)
+        torch.testing.assert_close(le[0], ref[p], atol=ATOL, rtol=0)
     windowed = ModelConfig.from_hf(dict(model_type="phi3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                         num_hidden_layers=2, num_attention_heads=4, sliding_window=2047))
     assert windowed.layer_types == ("sliding", "sliding") and "sliding" in (windowed.eager_only() or "")
