@@ -25,6 +25,12 @@ from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel
 from slipstream.runtime.buckets import BucketedDecoder
 from slipstream.runtime.plan import (
+    LAYER,
+    OP,
+    T0,
+    T1,
+    WAIT_COUNT,
+    WAIT_EV,
     Op,
     Plan,
     TileConfig,
@@ -169,7 +175,7 @@ def profile_summary(plan: Plan, prof: torch.Tensor) -> dict:
     """Per-opcode time from the kernel's timestamps: tasks, summed busy and waiting microseconds
     over all programs, and the step's span (first wait to last signal)."""
     t = prof.cpu().double() / 1e3   # ns -> us
-    ops = plan.tasks[:, 0].cpu()
+    ops = plan.tasks[:, OP].cpu()
     out: dict = {"span_us": float(t[:, 2].max() - t[:, 0].min()), "ops": {}}
     for op in Op:
         sel = ops == int(op)
@@ -245,9 +251,9 @@ def check(s: _Static) -> None:
         raise MegakernelError("the ticket counter was behind its epoch (a failed step was not checked); "
                               "counters reset")
     row = s.tasks[err - 1].tolist()
-    raise MegakernelError(f"task {err - 1} ({Op(row[0]).name}, layer {row[1]}, tile {row[2]}..{row[3]}) "
-                          f"timed out waiting for event {row[4]} "
-                          f"({s.plan.event_names[row[4]]}) to reach {row[5]}")
+    raise MegakernelError(f"task {err - 1} ({Op(row[OP]).name}, layer {row[LAYER]}, tile {row[T0]}..{row[T1]}) "
+                          f"timed out waiting for event {row[WAIT_EV]} "
+                          f"({s.plan.event_names[row[WAIT_EV]]}) to reach {row[WAIT_COUNT]}")
 
 
 MAX_ROWS = 8   # the largest batch bucket: one program's [rows, tile, K-chunk] products spill past it
