@@ -15,6 +15,7 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from slipstream.structured.constraint import Constraint, ConstraintError
@@ -123,18 +124,22 @@ class Matcher:
         self._eos = _eos_id(tokenizer)
         self._other_eos = sorted(set(getattr(tokenizer, "eos_token_ids", ()) or ()) - {self._eos})
 
-    def fill(self, row: torch.Tensor) -> None:
-        """Write the allowed next tokens into `row` (int32 words, bit t%32 of word t//32). Every
-        end-of-sequence token is allowed where the grammar allows its own one."""
+    def fill(self, row: torch.Tensor | np.ndarray) -> None:
+        """Write the allowed next tokens into `row` (a contiguous int32 row of words, bit t%32 of word
+        t//32; numpy or torch). Every end-of-sequence token is allowed where the grammar allows its own one."""
+        words = row.numpy() if isinstance(row, torch.Tensor) else row
+        if words.dtype != np.int32 or not words.flags.c_contiguous:
+            raise ValueError("a bitmask row is a contiguous int32 array")
+        eos = self._eos
         if self._m.is_error():   # cannot happen with masked sampling; end the sequence rather than fail
-            row.zero_()
-            row[self._eos >> 5] = _bit(self._eos & 31)
+            words[:] = 0
+            words[eos >> 5] = _bit(eos & 31)
             return
-        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-        if self._other_eos and int(row[self._eos >> 5]) >> (self._eos & 31) & 1:
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.size * 4)
+        if self._other_eos and int(words[eos >> 5]) >> (eos & 31) & 1:
             for t in self._other_eos:
-                if (t >> 5) < row.numel():
-                    row[t >> 5] |= _bit(t & 31)
+                if (t >> 5) < words.size:
+                    words[t >> 5] |= _bit(t & 31)
 
     def accept(self, token: int) -> bool:
         """Follow a sampled token; False if the grammar forbids it (the matcher is then in error)."""

@@ -137,3 +137,48 @@ def test_the_helper_thread_fills_the_same_masks(tok):
     assert torch.equal(MaskJob(matchers, tok.vocab_size).result(), MaskNow(matchers, tok.vocab_size).result())
     assert torch.equal(MaskNow(matchers, tok.vocab_size).result()[1], torch.full((tok.vocab_size // 32,), -1,
                                                                                  dtype=torch.int32))
+
+
+def _reference_masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Bit by bit: token t allowed where bit t%32 of word t//32 is set (past the words: forbidden)."""
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            if t >= 32 * bitmask.shape[1] or not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN and -0.0 included)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("vocab,n_words", [(70, 3), (96, 3), (100, 3), (64, 3)])
+def test_masked_copy_matches_the_bitwise_reference_for_every_row_layout(vocab, n_words):
+    """Whole batch or some rows, the bitmask given per logits row or per masked row; vocabularies that
+    end inside a word, on a word, and past the bitmask; the caller's logits stay untouched."""
+    from slipstream.structured.masks import masked_copy
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=g)
+    logits[0, 5] = float("nan")
+    logits[1, 7] = -0.0
+    bitmask = torch.randint(-(1 << 31), (1 << 31) - 1, (4, n_words), generator=g, dtype=torch.int64).to(torch.int32)
+    bitmask[2] = -1
+    want = _reference_masked(logits, bitmask)
+    before = logits.clone()
+    got = masked_copy(logits, bitmask, [0, 1, 2, 3])
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())
+    assert same(got, want)
+    rows = [1, 3]
+    want_some = logits.clone()
+    want_some[rows] = want[rows]
+    assert same(masked_copy(logits, bitmask, rows), want_some)             # one bitmask row per logits row
+    assert same(masked_copy(logits, bitmask[rows], rows), want_some)       # one per masked row
+    in_place = logits.clone()
+    apply_masks(in_place, bitmask[rows], rows)
+    assert same(in_place, want_some)
+    assert same(masked_copy(logits, bitmask, []), logits)
+    with pytest.raises(ValueError):
+        masked_copy(logits, bitmask[:3], rows)
