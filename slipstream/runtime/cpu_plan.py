@@ -25,6 +25,7 @@ OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN",
 NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
 TILE_BYTES = 256 * 1024
 TASKS_PER_THREAD = 4
+NORM_ROWS = 8        # rows per RMSNorm task (a prompt chunk's rows are normalised in parallel)
 
 
 class CpuPlanError(ValueError):
@@ -54,8 +55,15 @@ def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int,
     return [(a * unit, min(n, (a + per) * unit)) for a in range(0, units, per)]
 
 
-def build(shape: Shape, rows: int, threads: int, argmax: bool) -> np.ndarray:
-    """The task table [tasks, 8] int32 for a decode step of `rows` sequences."""
+def _row_blocks(rows: int, per: int = NORM_ROWS) -> list[tuple[int, int]]:
+    return [(a, min(rows, a + per)) for a in range(0, rows, per)]
+
+
+def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | None = None) -> np.ndarray:
+    """The task table [tasks, 8] int32 for a step of `rows` tokens (each a row attending over its own
+    context: a decode row, or one token of a prompt chunk) of which `out_rows` (default: all) get
+    logits: the final norm, LM head and argmax run over those only."""
+    n_out = rows if out_rows is None else out_rows
     s = shape
     tasks: list[tuple[int, ...]] = []
     n_events = 0
@@ -73,19 +81,21 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool) -> np.ndarray:
     qkv_heads = s.heads + 2 * s.kv_heads
     op(EMBED, -1, [(b, b + 1) for b in range(rows)])
     for layer in range(s.num_layers):
-        op(NORM, layer, [(0, rows)], NORM_ATTN)
+        op(NORM, layer, _row_blocks(rows), NORM_ATTN)
         op(QKV, layer, _tiles(qkv_heads, 1, s.head_dim * s.hidden * bpw["qkv"], threads))
-        op(ATTN, layer, [(b, h) for b in range(rows) for h in range(s.heads)])
+        op(ATTN, layer, [(b, g) for b in range(rows) for g in range(s.kv_heads)])
         if s.head_dim % 32:
             op(PREP, layer, [(b, b + 1) for b in range(rows)])
         op(O_PROJ, layer, _tiles(s.hidden, 8, s.heads * s.head_dim * bpw["o"], threads))
-        op(NORM, layer, [(0, rows)], NORM_FFN)
+        op(NORM, layer, _row_blocks(rows), NORM_FFN)
         op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
         op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
-    op(NORM, -1, [(0, rows)], NORM_FINAL)
+    if n_out == 0:   # a prompt chunk that is not a prompt's end: no logits wanted
+        return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
+    op(NORM, -1, _row_blocks(n_out), NORM_FINAL)
     op(LM_HEAD, -1, _tiles(s.vocab, 8, s.hidden * bpw["lm_head"], threads))
     if argmax:
-        op(ARGMAX, -1, [(b, b + 1) for b in range(rows)])
+        op(ARGMAX, -1, [(b, b + 1) for b in range(n_out)])
     return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
 
 
@@ -127,8 +137,9 @@ def _check_coverage(table: np.ndarray, s: Shape, rows: int) -> None:
         if t[OP] in extent:
             by_op.setdefault((t[OP], t[LAYER]), []).append((t[T0], t[T1]))
     layers = list(range(s.num_layers))
+    has_head = any(t[OP] == LM_HEAD for t in table.tolist())
     for code, n in extent.items():
-        for layer in ([-1] if code == LM_HEAD else layers):
+        for layer in (([-1] if has_head else []) if code == LM_HEAD else layers):
             spans = sorted(by_op.get((code, layer), []))
             pos = 0
             for a, b in spans:
@@ -140,5 +151,5 @@ def _check_coverage(table: np.ndarray, s: Shape, rows: int) -> None:
             if pos != n:
                 raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n}")
     heads = {(t[LAYER], t[T0], t[T1]) for t in table.tolist() if t[OP] == ATTN}
-    if len(heads) != s.num_layers * rows * s.heads:
-        raise CpuPlanError("attention tasks do not cover every (row, head) of every layer once")
+    if len(heads) != s.num_layers * rows * s.kv_heads:
+        raise CpuPlanError("attention tasks do not cover every (row, KV head) of every layer once")

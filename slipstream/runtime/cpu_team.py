@@ -9,13 +9,15 @@ with no fork/join barrier between operators. Two kinds of products:
 - exact (`exact=True`, `--exact`): fp32 activations against the packed weights, the eager step's
   maths up to summation order (greedy tokens identical to transformers on the default model).
 
-Prefill and anything unusual stay on the eager path (`LlamaModel.forward`), which is also the
-reference this runtime is tested against.
+Prompt chunks of up to `prefill_tokens` tokens run here too, one row per token (the engine sends the
+short chunks that sit beside running decodes); longer prompts run on the eager path
+(`LlamaModel.forward`, BLAS), which is also the reference this runtime is tested against.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -58,8 +60,9 @@ class _Act:
         return SSAct(self.f.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr())
 
 
-class _Static:
-    """Buffers and task tables for one row count (allocated once, reused every step)."""
+class _Buffers:
+    """The step's activations for up to `rows` rows (allocated once per size, reused every step; a
+    step of fewer rows uses their first rows)."""
     def __init__(self, dec: CpuTeamDecoder, rows: int):
         c = dec.model.cfg
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -72,14 +75,10 @@ class _Static:
         self.act = _Act(rows, c.intermediate_size)
         self.logits = torch.zeros(rows, c.vocab_size, dtype=f32)
         self.next_tokens = torch.zeros(rows, dtype=torch.int64)
-        self.tables = {argmax: cpu_plan.build(dec.shape, rows, dec.threads, argmax) for argmax in (False, True)}
-        for t in self.tables.values():
-            cpu_plan.validate(t, dec.shape, rows)
-        self.events = np.zeros(max(cpu_plan.num_events(t) for t in self.tables.values()), dtype=np.int32)
 
 
 class CpuTeamDecoder:
-    """Decode steps (one new token per row) of a Llama-family model as one native call each."""
+    """Steps of a Llama-family model (decode rows, short prompt chunks) as one native call each."""
 
     name = "native"
     device_greedy = True   # picks greedy tokens itself (no logits copy) when asked to
@@ -113,7 +112,10 @@ class CpuTeamDecoder:
         self._model = SSModel(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                               c.intermediate_size, c.vocab_size, 0, c.rms_norm_eps, c.head_dim ** -0.5,
                               self._layers, model.embed.ss_mat(), lm.ss_mat(), model.norm.data_ptr())
-        self._static: dict[int, _Static] = {}
+        self._bufs: _Buffers | None = None
+        # task tables by (rows, output rows, argmax), validated once each; the most recent kept
+        self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
+        self._events = np.zeros(0, dtype=np.int32)
 
     @classmethod
     def unsupported(cls, model: Any) -> str | None:
@@ -139,36 +141,76 @@ class CpuTeamDecoder:
             return "the native runtime needs hidden and FFN sizes that are multiples of 32"
         return None
 
-    def _buffers(self, rows: int) -> _Static:
-        if rows not in self._static:
-            self._static[rows] = _Static(self, rows)
-        return self._static[rows]
+    prefill_tokens = 64   # the most prompt tokens one step takes (see `forward`); longer chunks run eagerly
+
+    def _buffers(self, rows: int) -> _Buffers:
+        if self._bufs is None or self._bufs.rows < rows:
+            self._bufs = _Buffers(self, max(rows, 8))
+        return self._bufs
+
+    def _table(self, rows: int, n_out: int, argmax: bool) -> np.ndarray:
+        key = (rows, n_out, argmax)
+        table = self._tables.get(key)
+        if table is None:
+            table = cpu_plan.build(self.shape, rows, self.threads, argmax, out_rows=n_out)
+            cpu_plan.validate(table, self.shape, rows)
+            self._tables[key] = table
+            if len(self._tables) > 64:
+                self._tables.popitem(last=False)
+            if cpu_plan.num_events(table) > len(self._events):
+                self._events = np.zeros(cpu_plan.num_events(table), dtype=np.int32)
+        else:
+            self._tables.move_to_end(key)
+        return table
+
+    @staticmethod
+    def _rows(step: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's context slots, concatenated, and where each row's start ([rows + 1]). A slice of
+        several tokens (a prompt chunk) becomes one row per token, token j seeing the slice's context
+        up to itself: causal attention as separate rows, the way speculative verification rows are."""
+        parts, lengths = [], []
+        for s in step.seqs:
+            first = s.context - s.length + 1           # the first token's context
+            if s.length == 1:
+                parts.append(torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read)
+                lengths.append(torch.tensor([s.context]))
+                continue
+            full = torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read
+            ctx = torch.arange(first, s.context + 1)    # each token's context length
+            offsets = torch.arange(int(ctx.sum())) - torch.repeat_interleave(torch.cumsum(ctx, 0) - ctx, ctx)
+            parts.append(full[offsets])
+            lengths.append(ctx)
+        slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64).contiguous()
+        ctx_all = torch.cat(lengths) if len(lengths) > 1 else lengths[0]
+        starts = torch.zeros(len(ctx_all) + 1, dtype=torch.int64)
+        starts[1:] = ctx_all.cumsum(0)
+        return slots, starts
 
     @torch.inference_mode()
     def forward(self, step: Any, tokens_only: bool = False) -> torch.Tensor:
-        """Logits (float32) of the step's `logits_rows`, one new token per row; with `tokens_only`
-        just their greedy tokens (int64; lowest index on ties, as torch's argmax)."""
+        """Logits (float32) of the step's `logits_rows`; with `tokens_only` just their greedy tokens
+        (int64; lowest index on ties, as torch's argmax). Decode rows and prompt chunks alike, one row
+        per token: the final norm and LM head run over the `logits_rows` only."""
         B = int(step.token_ids.shape[0])
-        if len(step.seqs) != B or any(s.length != 1 for s in step.seqs):
-            raise ValueError("the native runtime decodes one token per row")
-        st = self._buffers(B)
+        if sum(s.length for s in step.seqs) != B:
+            raise ValueError("the step's slices do not cover its rows")
+        out_rows = step.logits_rows.to(torch.int64).contiguous()
+        n_out = int(out_rows.numel())
+        st = self._buffers(max(B, n_out))
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
         freqs = step.positions.to(torch.float32)[:, None] * m.inv_freq[None, :]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
-        parts = [torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read for s in step.seqs]
-        slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64).contiguous()
-        starts = torch.zeros(B + 1, dtype=torch.int64)
-        starts[1:] = torch.tensor([s.context for s in step.seqs]).cumsum(0)
+        slots, starts = self._rows(step)
         write = step.write_slots.to(torch.int64).contiguous()
         args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), st.h.struct(), st.qkv.data_ptr(),
-                      st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr())
-        table = st.tables[tokens_only]
+                      st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr(),
+                      n_out, 0, out_rows.data_ptr())
+        table = self._table(B, n_out, tokens_only)
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
-                         st.events.ctypes.data, len(st.events), int(self.exact))
-        rows = step.logits_rows
+                         self._events.ctypes.data, len(self._events), int(self.exact))
         out = st.next_tokens if tokens_only else st.logits
         # a numpy copy (one thread): torch's clone runs on its intra-op threads, which wait on this team's
         # spinning threads right after the step (measured ~10 ms per step on the 2-core CPU against ~20 us)
-        return torch.from_numpy((out[rows] if rows.numel() != B else out[:B]).numpy().copy())
+        return torch.from_numpy(out[:n_out].numpy().copy())

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "../../slipstream/kernels/cpu/qtypes.h"
+#include "../../slipstream/kernels/cpu/ops.h"
 
 static unsigned rng = 12345;
 static float frand(void) { rng = rng * 1103515245u + 12345u; return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f; }
@@ -69,6 +70,25 @@ static int check_qtypes(void) {
     return ok;
 }
 
+// ops.h's vector exp (softmax, SiLU) against the C library's, over the range attention and SiLU meet
+static int check_exp(void) {
+    enum { N = 203 };
+    static float x[N], g[N], u[N], out[N];
+    int ok = 1;
+    for (int i = 0; i < N; i++) x[i] = -100.f + 100.f * i / (N - 1), g[i] = frand() * 40.f, u[i] = frand();
+    g[0] = -100.f, g[1] = 100.f;
+    float want_sum = 0.f;
+    for (int i = 0; i < N; i++) want_sum += expf(x[i] - 0.5f);
+    static float y[N];
+    memcpy(y, x, sizeof(y));
+    const float sum = ss_exp_shift(y, N, 0.5f);
+    for (int i = 0; i < N && ok; i++) ok &= close_to(y[i], expf(x[i] - 0.5f), 2e-6, "exp", i);
+    ok &= close_to(sum, want_sum, 1e-5, "exp sum", 0);
+    ss_silu_mul(g, u, N, out);
+    for (int i = 0; i < N && ok; i++) ok &= close_to(out[i], g[i] / (1.0 + exp(-(double)g[i])) * u[i], 2e-6, "silu", i);
+    return ok;
+}
+
 int main(void) {
     enum { N = 5, K = 192, G = K / 32, R = 3 };
     static uint8_t w4[N][K / 2];
@@ -130,6 +150,7 @@ int main(void) {
     ss_axpy(o, 0.5f, x[2], K);
     for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
     ok &= check_qtypes();
+    ok &= check_exp();
     printf("%s %s\n", ss_isa_name(), ok ? "ok" : "FAILED");
     return ok ? 0 : 1;
 }

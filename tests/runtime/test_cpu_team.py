@@ -163,6 +163,55 @@ def test_verification_rows_of_one_sequence(smollm2):
     assert (le - lt).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_prompt_chunks_beside_a_decode_row(smollm2, gather):
+    """A prefill step on the team: one sequence's chunk after a cached prefix, a whole new prompt
+    and a decode row, in one step. Logits of the rows asked for and the KV the chunks leave behind
+    equal the eager step's; the next decode step over that KV agrees too."""
+    kv_e, kv_t = smollm2.new_kv_cache(96), smollm2.new_kv_cache(96)
+    team = CpuTeamDecoder(smollm2, kv_t, exact=True)
+    first, chunk, fresh, lone = [1, 504, 3458, 282, 9, 11], [4649, 30, 31, 32, 33, 34, 35], [1, 77, 78], [5, 6]
+    seqs = {}
+    for name, kv in (("e", kv_e), ("t", kv_t)):
+        a, b, c = SequenceKV(kv), SequenceKV(kv), SequenceKV(kv)
+        for s, n in ((a, 20), (b, 8), (c, 8)):
+            s.reserve(n)
+        smollm2.forward(prefill_step(a, first), kv)
+        smollm2.forward(prefill_step(c, lone), kv)
+        seqs[name] = (a, b, c)
+    steps = {}
+    for name in ("e", "t"):
+        a, b, c = seqs[name]
+        sb = StepBuilder()
+        sb.add(a, chunk, start=len(first), logits="all", gather=gather)
+        sb.add(b, fresh, start=0, gather=gather)
+        sb.add(c, [7], start=len(lone), gather=gather)
+        steps[name] = sb.build()
+    le = smollm2.forward(steps["e"], kv_e)
+    lt = team.forward(steps["t"])
+    assert lt.shape == le.shape == (len(chunk) + 2, smollm2.cfg.vocab_size)
+    assert (le - lt).abs().max().item() < 1e-3
+    assert torch.equal(le.argmax(-1), lt.argmax(-1))
+    assert torch.equal(team.forward(steps["t"], tokens_only=True), lt.argmax(-1))   # a re-run writes the same KV
+    # the KV the chunks wrote: one more decode step per sequence over it
+    positions = [len(first) + len(chunk), len(fresh), len(lone) + 1]
+    tokens = [int(t) for t in le.argmax(-1)[[len(chunk) - 1, len(chunk), len(chunk) + 1]]]
+    de = smollm2.forward(decode_step(list(seqs["e"]), tokens, positions), kv_e)
+    dt = team.forward(decode_step(list(seqs["t"]), tokens, positions))
+    assert (de - dt).abs().max().item() < 1e-3
+
+
+def test_prompt_chunk_tokens_only_picks_the_chunks_last_row(smollm2):
+    kv = smollm2.new_kv_cache(64)
+    team = CpuTeamDecoder(smollm2, kv, exact=False)
+    s = SequenceKV(kv)
+    s.reserve(16)
+    step = prefill_step(s, [1, 504, 3458, 282, 9, 11, 4649])
+    logits = team.forward(step)
+    assert logits.shape == (1, smollm2.cfg.vocab_size)
+    assert team.forward(step, tokens_only=True).tolist() == [int(logits.argmax())]
+
+
 def test_plan_validator_rejects_broken_tables():
     shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
     table = cpu_plan.build(shape, rows=2, threads=2, argmax=True)
@@ -187,6 +236,11 @@ def test_plans_validate_for_many_shapes(threads):
         shape = cpu_plan.Shape(3, 576, 9, 3, 64, 1536, 49152,
                                dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.75))
         cpu_plan.validate(cpu_plan.build(shape, rows, threads, argmax=rows % 2 == 1), shape, rows)
+        for out in (0, 1, rows // 2):   # prompt chunks: logits of some rows, or none
+            table = cpu_plan.build(shape, rows, threads, argmax=True, out_rows=out)
+            cpu_plan.validate(table, shape, rows)
+            assert (table[:, cpu_plan.OP] == cpu_plan.ARGMAX).sum() == out
+            assert ((table[:, cpu_plan.OP] == cpu_plan.LM_HEAD).sum() > 0) == (out > 0)
 
 
 def _raw(qtype: int, n: int, k: int, seed: int) -> Linear:

@@ -41,4 +41,5 @@ class SSAct(ctypes.Structure):
 class SSStep(ctypes.Structure):
     _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
                 ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
-                ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P)]
+                ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P),
+                ("n_out", _I), ("pad2", _I), ("out_rows", _P)]

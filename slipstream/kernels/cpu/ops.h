@@ -31,11 +31,7 @@ static inline void ss_attend(const float *q, const float *kcache, const float *v
         p[j] = ss_dot(q, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
         if (p[j] > mx) mx = p[j];
     }
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = expf(p[j] - mx);
-        sum += p[j];
-    }
+    const float sum = ss_exp_shift(p, n, mx);
     const float inv = 1.0f / sum;
     memset(out, 0, sizeof(float) * D);
     for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, vcache + (slots[j] * KVH + kvh) * D, D);
@@ -43,5 +39,20 @@ static inline void ss_attend(const float *q, const float *kcache, const float *v
 
 // out[i] = silu(g[i]) * u[i]
 static inline void ss_silu_mul(const float *g, const float *u, int n, float *out) {
-    for (int i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int i = 0;
+#if defined(SS_AVX2)
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(one, ss_exp256(_mm256_xor_ps(gv, sign)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    }
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t gv = vld1q_f32(g + i);
+        const float32x4_t den = vaddq_f32(vdupq_n_f32(1.f), ss_exp128(vnegq_f32(gv)));
+        vst1q_f32(out + i, vmulq_f32(vdivq_f32(gv, den), vld1q_f32(u + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }

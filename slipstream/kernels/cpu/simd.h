@@ -125,6 +125,73 @@ AI float ss_dot(const float *a, const float *b, int n) {
     return s;
 }
 
+// -- exp over vectors (Cephes' polynomial: e^x = 2^n e^r, |r| <= ln2/2; ~1 ulp in fp32) -------------------
+#if defined(SS_AVX2)
+AI __m256 ss_exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    // 2^n: n + 127 in the exponent field (n is within [-126, 128) after the clamp; 2^128 saturates)
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#elif defined(SS_NEON)
+AI float32x4_t ss_exp128(float32x4_t x) {
+    x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.3365f)), vdupq_n_f32(88.3762f));
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+    float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+    p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+    p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.f)), p, vmulq_f32(r, r));
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+#endif
+
+// x[i] = exp(x[i] - shift); returns the sum of the results
+AI float ss_exp_shift(float *x, int64_t n, float shift) {
+    int64_t i = 0;
+    float sum = 0.f;
+#if defined(SS_AVX2)
+    const __m256 sh = _mm256_set1_ps(shift);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = ss_exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum256(acc);
+#elif defined(SS_NEON)
+    const float32x4_t sh = vdupq_n_f32(shift);
+    float32x4_t acc = vdupq_n_f32(0.f);
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t e = ss_exp128(vsubq_f32(vld1q_f32(x + i), sh));
+        vst1q_f32(x + i, e);
+        acc = vaddq_f32(acc, e);
+    }
+    sum = vaddvq_f32(acc);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - shift);
+        sum += x[i];
+    }
+    return sum;
+}
+
 // sum x[i] * x[i]
 AI float ss_sumsq(const float *x, int n) { return ss_dot(x, x, n); }
 

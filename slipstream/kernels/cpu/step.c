@@ -76,7 +76,9 @@ typedef struct {
     SSAct attn;                  // [rows][H D]
     SSAct act;                   // [rows][F]
     float *logits;               // [rows][vocab]
-    int64_t *next_tokens;        // [rows] greedy tokens (OP_ARGMAX)
+    int64_t *next_tokens;        // [n_out] greedy tokens (OP_ARGMAX)
+    int32_t n_out, pad2;         // rows whose logits are wanted (final norm, LM head, argmax)
+    const int64_t *out_rows;     // [n_out] which rows, in output order
 } SSStep;
 
 typedef struct {
@@ -85,15 +87,15 @@ typedef struct {
 
 enum {
     OP_EMBED = 0,     // row t0: x = embedding of its token
-    OP_NORM = 1,      // rows t0..t1: h = RMSNorm(x) (aux: 0 attn, 1 ffn, 2 final), quantized
+    OP_NORM = 1,      // rows t0..t1: h = RMSNorm(x) (aux: 0 attn, 1 ffn, 2 final: output rows, h[i] from x[out_rows[i]])
     OP_QKV = 2,       // heads t0..t1 of the fused QKV rows: product, bias, q/k norm, RoPE, KV store
-    OP_ATTN = 3,      // row t0, query head t1: decode attention over the row's context
+    OP_ATTN = 3,      // row t0, KV head t1: attention of its query heads over the row's context
     OP_PREP = 4,      // row t0: quantize attn (when the head size is not a multiple of 32)
     OP_O = 5,         // rows t0..t1 of Wo: x += attn Wo^T
     OP_GATE_UP = 6,   // act columns t0..t1: act = silu(h Wg^T) * (h Wu^T), quantized
     OP_DOWN = 7,      // rows t0..t1 of Wdown: x += act Wdown^T
-    OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T
-    OP_ARGMAX = 9,    // row t0: next token = argmax(logits) (lowest index on ties)
+    OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T (output rows)
+    OP_ARGMAX = 9,    // output row t0: next token = argmax(logits) (lowest index on ties)
 };
 
 // -- products over a tile of weight rows -------------------------------------------------------------
@@ -228,20 +230,22 @@ static void embed_row(const SSMat *e, int64_t tok, float *out) {
 static __thread float *tl_scores;
 static __thread int64_t tl_cap;
 
-static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int h, int exact) {
-    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim;
+// row b's query heads of KV head kvh (one task: their keys and values are read while still in cache)
+static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int kvh, int exact) {
+    const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, group = H / KVH;
     const int64_t n = s->starts[b + 1] - s->starts[b];
     const int64_t *sl = s->read_slots + s->starts[b];
-    const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h * D;
-    const int kvh = h / (H / KVH);
     if (n > tl_cap) {
         free(tl_scores);
         tl_cap = n > 4096 ? n : 4096;
         tl_scores = (float *)malloc(sizeof(float) * tl_cap);
     }
-    float *o = s->attn.f + (int64_t)b * H * D + h * D;
-    ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, tl_scores, o);
-    if (D % 32 == 0) prepare(&s->attn, b, H * D, h * D, (h + 1) * D, exact);
+    for (int h = kvh * group; h < (kvh + 1) * group; h++) {
+        const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h * D;
+        float *o = s->attn.f + (int64_t)b * H * D + h * D;
+        ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, tl_scores, o);
+    }
+    if (D % 32 == 0) prepare(&s->attn, b, H * D, kvh * group * D, (kvh + 1) * group * D, exact);
 }
 
 static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exact) {
@@ -254,7 +258,8 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     case OP_NORM: {
         const float *w = t->aux == 0 ? L->attn_norm : t->aux == 1 ? L->ffn_norm : m->norm;
         for (int b = t->t0; b < t->t1; b++) {
-            ss_rmsnorm_row(s->x + (int64_t)b * hid, w, hid, m->eps, s->h.f + (int64_t)b * hid);
+            const int64_t src = t->aux == 2 && s->out_rows ? s->out_rows[b] : b;
+            ss_rmsnorm_row(s->x + src * hid, w, hid, m->eps, s->h.f + (int64_t)b * hid);
             prepare(&s->h, b, hid, 0, hid, exact);
         }
         break;
@@ -306,7 +311,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->x, hid, 1, exact);
         break;
     case OP_LM_HEAD:
-        mat_rows(&m->lm_head, t->t0, t->t1, B, &s->h, s->logits, m->vocab, 0, exact);
+        mat_rows(&m->lm_head, t->t0, t->t1, s->n_out, &s->h, s->logits, m->vocab, 0, exact);
         break;
     case OP_ARGMAX: {
         const float *l = s->logits + (int64_t)t->t0 * m->vocab;
