@@ -1,6 +1,6 @@
-"""The CPU decode step as a table of tile tasks linked by event counters (run by `kernels/cpu/step.c`).
+"""The CPU step (decode rows and short prompt chunks) as a table of tile tasks linked by event counters (run by `kernels/cpu/step.c`).
 
-The table has the megakernel plan's shape (`plan.py`): one row per task in topological order with the
+The table has the megakernel plan's shape (`runtime/plan/`): one row per task in topological order with the
 columns OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX. A task waits until event WAIT_EV has
 been signalled WAIT_COUNT times, runs, and signals SIG_EV once. The CPU's opcodes differ from the
 GPU's (a CPU task quantizes its own output for the next product, a GPU task does not), the contract
