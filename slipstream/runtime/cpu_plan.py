@@ -1,4 +1,5 @@
-"""The CPU step (decode rows and short prompt chunks) as a table of tile tasks linked by event counters (run by `kernels/cpu/step.c`).
+"""The CPU step (decode rows, short prompt chunks) as a table of tile tasks linked by event counters
+(run by `kernels/cpu/step.c`).
 
 The table has the megakernel plan's shape (`runtime/plan/`): one row per task in topological order with the
 columns OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX. A task waits until event WAIT_EV has
