@@ -21,8 +21,9 @@ COLUMNS = ("OP", "LAYER", "T0", "T1", "WAIT_EV", "WAIT_COUNT", "SIG_EV", "AUX")
 OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX = range(len(COLUMNS))
 
 # opcodes: the `OP_*` enum of step.c
-EMBED, NORM, QKV, ATTN, PREP, O_PROJ, GATE_UP, DOWN, LM_HEAD, ARGMAX = range(10)
-OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN", "LM_HEAD", "ARGMAX")
+EMBED, NORM, QKV, ATTN, PREP, O_PROJ, GATE_UP, DOWN, LM_HEAD, ARGMAX, POST = range(11)
+OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN", "LM_HEAD", "ARGMAX", "POST")
+POST_ATTN, POST_FFN = 0, 1
 NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
 TILE_BYTES = 256 * 1024
 TASKS_PER_THREAD = 4
@@ -44,6 +45,7 @@ class Shape:
     ffn: int
     vocab: int
     bytes_per_weight: dict[str, float]   # qkv, o, gate_up, down, lm_head -> bytes per weight
+    post_norms: bool = False             # Gemma: O and DOWN write a buffer that POST normalises into x
 
 
 def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int, int]]:
@@ -88,9 +90,13 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
         if s.head_dim % 32:
             op(PREP, layer, [(b, b + 1) for b in range(rows)])
         op(O_PROJ, layer, _tiles(s.hidden, 8, s.heads * s.head_dim * bpw["o"], threads))
+        if s.post_norms:
+            op(POST, layer, _row_blocks(rows), POST_ATTN)
         op(NORM, layer, _row_blocks(rows), NORM_FFN)
         op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
         op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
+        if s.post_norms:
+            op(POST, layer, _row_blocks(rows), POST_FFN)
     if n_out == 0:   # a prompt chunk that is not a prompt's end: no logits wanted
         return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
     op(NORM, -1, _row_blocks(n_out), NORM_FINAL)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
-from slipstream.kernels.cpu.abi import SSAct, SSLayer, SSModel, SSStep
+from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, SSModel, SSStep
 from slipstream.runtime import cpu_plan
 from slipstream.weights.quant import Linear
 
@@ -46,6 +46,26 @@ def default_threads() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:   # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def _unhandled(c: Any) -> str | None:
+    """A feature of config `c` this step does not compute (None: it computes them all). Gemma 3's
+    (GELU GLU, post-norms, scaled embedding, sliding-window layers with their own RoPE base, a query
+    scale) it does."""
+    if getattr(c, "num_experts", None):
+        return "mixture-of-experts layers"
+    if getattr(c, "attn_softcap", None) or getattr(c, "final_softcap", None):
+        return "logit soft-capping"
+    if c.hidden_act not in ("silu", "gelu_tanh"):
+        return f"a {c.hidden_act} GLU"
+    if getattr(c, "rotary_dim", None) not in (None, c.head_dim):
+        return "partial rotary embeddings"
+    kind = (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type"))
+    if kind not in (None, "default", "linear", "llama3"):
+        return f"{kind} RoPE scaling"
+    if c.sliding_window and not (c.layer_types and "sliding" in c.layer_types):
+        return "a sliding window on every layer"
+    return None
 
 
 class _Act:
@@ -75,6 +95,7 @@ class _Buffers:
         self.act = _Act(rows, c.intermediate_size)
         self.logits = torch.zeros(rows, c.vocab_size, dtype=f32)
         self.next_tokens = torch.zeros(rows, dtype=torch.int64)
+        self.tmp = torch.zeros(rows, c.hidden_size, dtype=f32) if dec.shape.post_norms else None
 
 
 class CpuTeamDecoder:
@@ -102,16 +123,22 @@ class CpuTeamDecoder:
         self.shape = cpu_plan.Shape(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
             c.vocab_size, {n: _bytes_per_weight(getattr(layers[0], n)) for n in ("qkv", "o", "gate_up", "down")}
-            | {"lm_head": _bytes_per_weight(lm)})
+            | {"lm_head": _bytes_per_weight(lm)}, post_norms=layers[0].post_attn_norm is not None)
         # the C side keeps raw pointers: these objects keep what they point to alive
         self._layers = (SSLayer * c.num_layers)(*[
             SSLayer(L.qkv.ss_mat(), L.o.ss_mat(), L.gate_up.ss_mat(), L.down.ss_mat(),
                     _ptr(L.attn_norm), _ptr(L.ffn_norm), _ptr(L.q_norm),
-                    _ptr(L.k_norm), kv.k[i].data_ptr(), kv.v[i].data_ptr())
+                    _ptr(L.k_norm), kv.k[i].data_ptr(), kv.v[i].data_ptr(),
+                    _ptr(L.post_attn_norm), _ptr(L.post_ffn_norm),
+                    (c.sliding_window or 0) if c.is_sliding(i) else 0,
+                    int(c.is_sliding(i) and model.inv_freq_local is not None))
             for i, L in enumerate(layers)])
+        act = ACT_GELU_TANH if c.hidden_act == "gelu_tanh" else ACT_SILU
+        scale = c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5
         self._model = SSModel(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                              c.intermediate_size, c.vocab_size, 0, c.rms_norm_eps, c.head_dim ** -0.5,
-                              self._layers, model.embed.ss_mat(), lm.ss_mat(), model.norm.data_ptr())
+                              c.intermediate_size, c.vocab_size, act, c.rms_norm_eps, scale,
+                              self._layers, model.embed.ss_mat(), lm.ss_mat(), model.norm.data_ptr(),
+                              float(c.embed_scale or 0.0), 0)
         self._bufs: _Buffers | None = None
         # task tables by (rows, output rows, argmax), validated once each; the most recent kept
         self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
@@ -128,6 +155,9 @@ class CpuTeamDecoder:
         if model.device.type != "cpu":
             return "the native runtime runs on the CPU"
         c = model.cfg
+        why = _unhandled(c)
+        if why is not None:
+            return f"the native runtime does not compute {why}; the eager runtime does"
         if c.head_dim % 2 or c.num_heads % c.num_kv_heads:
             return "the native runtime needs an even head size and whole query groups"
         mats = [w for L in model.layers for w in L.linears()]
@@ -199,14 +229,19 @@ class CpuTeamDecoder:
         st = self._buffers(max(B, n_out))
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
-        freqs = step.positions.to(torch.float32)[:, None] * m.inv_freq[None, :]
+        pos = step.positions.to(torch.float32)[:, None]
+        freqs = pos * m.inv_freq[None, :]
         cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        cos_l = sin_l = None
+        if m.inv_freq_local is not None:   # Gemma 3's sliding layers rotate with their own base
+            freqs_l = pos * m.inv_freq_local[None, :]
+            cos_l, sin_l = freqs_l.cos().contiguous(), freqs_l.sin().contiguous()
         slots, starts = self._rows(step)
         write = step.write_slots.to(torch.int64).contiguous()
         args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), st.h.struct(), st.qkv.data_ptr(),
                       st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr(),
-                      n_out, 0, out_rows.data_ptr())
+                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp))
         table = self._table(B, n_out, tokens_only)
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
                          self._events.ctypes.data, len(self._events), int(self.exact))

@@ -120,8 +120,8 @@ def test_config(pair):
     c = m.cfg
     assert c.architecture == "gemma3" and c.layer_types == ("sliding",) * 5 + ("full",)
     assert c.sliding_window == 6 and c.hidden_act == "gelu_tanh" and c.qk_norm and c.sandwich_norms
-    assert registry.resolve_runtime("auto", m) == "eager"   # the other runtimes refuse it, saying why
-    assert "Gemma 3" in (registry.unsupported("native", m) or "")
+    assert registry.resolve_runtime("auto", m) == "native"   # the CPU step computes Gemma 3 (below)
+    assert "Gemma 3" in (registry.unsupported("megakernel", m) or "")   # the GPU runtimes refuse it, saying why
 
 
 def test_prefill_chunks_and_decode_match_transformers(pair):
@@ -161,3 +161,38 @@ def test_tensor_parallelism_refuses_it(pair):
     from slipstream.errors import SlipstreamError
     with pytest.raises(SlipstreamError, match="Gemma 3"):
         _shard_llama(pair[1], 2, 0)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_native_step_matches_transformers(pair, exact):
+    """The native CPU step (runtime/cpu_team.py) on Gemma 3: GELU GLU, post-norms through their own tasks,
+    the scaled embedding, sliding-window layers with the local RoPE base; prompt chunks past the window
+    as rows of the step, then decode rows. Exact path within float32 noise of transformers; the fast
+    path (int8 activations) close, with the same greedy tokens."""
+    from slipstream.kernels.cpu import load_library
+    if load_library() is None:
+        pytest.skip("native CPU kernels unavailable")
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    hf, m = pair
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, VOCAB, (20,), generator=g).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()
+    kv = m.new_kv_cache(num_blocks=12, block_size=4)
+    team = CpuTeamDecoder(m, kv, exact=exact)
+    seq = SequenceKV(kv)
+    atol = 2e-4 if exact else 0.15
+    got = []
+    for start, end in ((0, 9), (9, 14)):
+        seq.reserve(end)
+        b = StepBuilder()
+        b.add(seq, toks[start:end], start, logits="all")
+        got.append(team.forward(b.build()))
+    for p in range(14, 20):
+        seq.reserve(p + 1)
+        b = StepBuilder()
+        b.add(seq, [toks[p]], p)
+        got.append(team.forward(b.build()))
+    out = torch.cat(got)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=0)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))

@@ -24,13 +24,18 @@ SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", 
 
 class SSLayer(ctypes.Structure):
     _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
-                ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P)]
+                ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P),
+                ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I), ("rope_local", _I)]
 
 
 class SSModel(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
-                ("ffn", _I), ("vocab", _I), ("pad", _I), ("eps", _F), ("attn_scale", _F),
-                ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P)]
+                ("ffn", _I), ("vocab", _I), ("act", _I), ("eps", _F), ("attn_scale", _F),
+                ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P),
+                ("embed_scale", _F), ("pad", _I)]
+
+
+ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
 class SSAct(ctypes.Structure):
@@ -42,4 +47,4 @@ class SSStep(ctypes.Structure):
     _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
                 ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
                 ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P),
-                ("n_out", _I), ("pad2", _I), ("out_rows", _P)]
+                ("n_out", _I), ("pad2", _I), ("out_rows", _P), ("cos_local", _P), ("sin_local", _P), ("tmp", _P)]

@@ -56,3 +56,34 @@ static inline void ss_silu_mul(const float *g, const float *u, int n, float *out
 #endif
     for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+
+// out[i] = gelu_tanh(g[i]) * u[i]: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) (Gemma's GLU, as torch's
+// gelu(approximate="tanh")); tanh(z) = 1 - 2 / (exp(2z) + 1)
+static inline void ss_gelu_tanh_mul(const float *g, const float *u, int n, float *out) {
+    const float c = 0.7978845608028654f, a = 0.044715f;
+    int i = 0;
+#if defined(SS_AVX2)
+    const __m256 cv = _mm256_set1_ps(c), av = _mm256_set1_ps(a), one = _mm256_set1_ps(1.f),
+                 two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 z = _mm256_mul_ps(cv, _mm256_fmadd_ps(_mm256_mul_ps(av, x), _mm256_mul_ps(x, x), x));
+        const __m256 e = ss_exp256(_mm256_mul_ps(two, z));
+        const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(half, _mm256_mul_ps(x, _mm256_add_ps(one, th))),
+                                                _mm256_loadu_ps(u + i)));
+    }
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(g + i);
+        const float32x4_t z = vmulq_n_f32(vfmaq_f32(x, vmulq_n_f32(x, a), vmulq_f32(x, x)), c);
+        const float32x4_t e = ss_exp128(vmulq_n_f32(z, 2.f));
+        const float32x4_t th = vsubq_f32(vdupq_n_f32(1.f), vdivq_f32(vdupq_n_f32(2.f), vaddq_f32(e, vdupq_n_f32(1.f))));
+        vst1q_f32(out + i, vmulq_f32(vmulq_n_f32(vmulq_f32(x, vaddq_f32(vdupq_n_f32(1.f), th)), 0.5f), vld1q_f32(u + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = g[i];
+        out[i] = 0.5f * x * (1.f + tanhf(c * (x + a * x * x * x))) * u[i];
+    }
+}

@@ -45,15 +45,24 @@ typedef struct {
     SSMat qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
     float *kcache, *vcache;   // [slots][KVH][D]
+    // Gemma: RMSNorms of the attention and MLP outputs before their residual adds (NULL: none)
+    const float *post_attn_norm, *post_ffn_norm;
+    int32_t window;           // sliding-window layer: a row sees its last `window` positions (0: all)
+    int32_t rope_local;       // this layer rotates with the step's local RoPE tables
 } SSLayer;
 
 typedef struct {
-    int32_t n_layers, hidden, heads, kv_heads, head_dim, ffn, vocab, pad;
+    int32_t n_layers, hidden, heads, kv_heads, head_dim, ffn, vocab;
+    int32_t act;              // the GLU's gate: ACT_SILU or ACT_GELU_TANH
     float eps, attn_scale;
     const SSLayer *layers;
     SSMat embed, lm_head;
     const float *norm;
+    float embed_scale;        // the embedding is multiplied by it (Gemma: sqrt(hidden)); 0: not scaled
+    int32_t pad;
 } SSModel;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 // An activation: fp32 rows and, for the fast path, their int8 codes, per-group scales and sums.
 // In the exact path `s` holds plain per-group sums of the fp32 values (the 4-bit min term).
@@ -79,6 +88,8 @@ typedef struct {
     int64_t *next_tokens;        // [n_out] greedy tokens (OP_ARGMAX)
     int32_t n_out, pad2;         // rows whose logits are wanted (final norm, LM head, argmax)
     const int64_t *out_rows;     // [n_out] which rows, in output order
+    const float *cos_local, *sin_local;   // [rows][D/2] the sliding layers' RoPE tables (NULL: none)
+    float *tmp;                  // [rows][hidden] O and DOWN outputs before their post-norms (Gemma)
 } SSStep;
 
 typedef struct {
@@ -96,6 +107,7 @@ enum {
     OP_DOWN = 7,      // rows t0..t1 of Wdown: x += act Wdown^T
     OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T (output rows)
     OP_ARGMAX = 9,    // output row t0: next token = argmax(logits) (lowest index on ties)
+    OP_POST = 10,     // rows t0..t1: x += RMSNorm(tmp) (aux: 0 after attention, 1 after the MLP)
 };
 
 // -- products over a tile of weight rows -------------------------------------------------------------
@@ -233,8 +245,12 @@ static __thread int64_t tl_cap;
 // row b's query heads of KV head kvh (one task: their keys and values are read while still in cache)
 static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int kvh, int exact) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, group = H / KVH;
-    const int64_t n = s->starts[b + 1] - s->starts[b];
+    int64_t n = s->starts[b + 1] - s->starts[b];
     const int64_t *sl = s->read_slots + s->starts[b];
+    if (L->window > 0 && n > L->window) {   // a sliding-window layer: the row's last `window` positions
+        sl += n - L->window;
+        n = L->window;
+    }
     if (n > tl_cap) {
         free(tl_scores);
         tl_cap = n > 4096 ? n : 4096;
@@ -252,9 +268,13 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     const int B = s->rows, hid = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
     const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
     switch (t->op) {
-    case OP_EMBED:
-        embed_row(&m->embed, s->tokens[t->t0], s->x + (int64_t)t->t0 * hid);
+    case OP_EMBED: {
+        float *x = s->x + (int64_t)t->t0 * hid;
+        embed_row(&m->embed, s->tokens[t->t0], x);
+        if (m->embed_scale != 0.f)
+            for (int i = 0; i < hid; i++) x[i] *= m->embed_scale;
         break;
+    }
     case OP_NORM: {
         const float *w = t->aux == 0 ? L->attn_norm : t->aux == 1 ? L->ffn_norm : m->norm;
         for (int b = t->t0; b < t->t1; b++) {
@@ -267,8 +287,10 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     case OP_QKV: {
         const int row = (H + 2 * KVH) * D;
         mat_rows(&L->qkv, t->t0 * D, t->t1 * D, B, &s->h, s->qkv, row, 0, exact);
+        const int local = L->rope_local && s->cos_local;
         for (int b = 0; b < B; b++) {
-            const float *cs = s->cos + (int64_t)b * (D / 2), *sn = s->sin + (int64_t)b * (D / 2);
+            const float *cs = (local ? s->cos_local : s->cos) + (int64_t)b * (D / 2);
+            const float *sn = (local ? s->sin_local : s->sin) + (int64_t)b * (D / 2);
             const int64_t slot = s->write_slots[b];
             for (int hd = t->t0; hd < t->t1; hd++) {
                 float *v = s->qkv + (int64_t)b * row + hd * D;
@@ -293,8 +315,19 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         prepare(&s->attn, t->t0, H * D, 0, H * D, exact);
         break;
     case OP_O:
-        mat_rows(&L->o, t->t0, t->t1, B, &s->attn, s->x, hid, 1, exact);
+        if (L->post_attn_norm) mat_rows(&L->o, t->t0, t->t1, B, &s->attn, s->tmp, hid, 0, exact);
+        else mat_rows(&L->o, t->t0, t->t1, B, &s->attn, s->x, hid, 1, exact);
         break;
+    case OP_POST: {
+        const float *w = t->aux == 0 ? L->post_attn_norm : L->post_ffn_norm;
+        float *row = (float *)alloca(sizeof(float) * hid);
+        for (int b = t->t0; b < t->t1; b++) {
+            ss_rmsnorm_row(s->tmp + (int64_t)b * hid, w, hid, m->eps, row);
+            float *x = s->x + (int64_t)b * hid;
+            for (int i = 0; i < hid; i++) x[i] += row[i];
+        }
+        break;
+    }
     case OP_GATE_UP: {
         const int F = m->ffn, w = t->t1 - t->t0;
         float *g = (float *)alloca(sizeof(float) * (size_t)B * w * 2), *u = g + (size_t)B * w;
@@ -302,13 +335,15 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         mat_rows(&L->gate_up, F + t->t0, F + t->t1, B, &s->h, u - F - t->t0, w, 0, exact);
         for (int b = 0; b < B; b++) {
             float *a = s->act.f + (int64_t)b * F;
-            ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
+            if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + t->t0);
+            else ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
             prepare(&s->act, b, F, t->t0, t->t1, exact);
         }
         break;
     }
     case OP_DOWN:
-        mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->x, hid, 1, exact);
+        if (L->post_ffn_norm) mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->tmp, hid, 0, exact);
+        else mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->x, hid, 1, exact);
         break;
     case OP_LM_HEAD:
         mat_rows(&m->lm_head, t->t0, t->t1, s->n_out, &s->h, s->logits, m->vocab, 0, exact);
@@ -364,7 +399,7 @@ typedef struct {
 } Team;
 
 // optional per-opcode profile: busy and waiting nanoseconds, summed over threads
-#define N_OPS 10
+#define N_OPS 11
 static int prof_on;
 static _Atomic int64_t prof_busy[N_OPS], prof_wait[N_OPS], prof_count[N_OPS];
 
