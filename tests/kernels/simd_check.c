@@ -86,6 +86,11 @@ static int check_exp(void) {
     ok &= close_to(sum, want_sum, 1e-5, "exp sum", 0);
     ss_silu_mul(g, u, N, out);
     for (int i = 0; i < N && ok; i++) ok &= close_to(out[i], g[i] / (1.0 + exp(-(double)g[i])) * u[i], 2e-6, "silu", i);
+    ss_gelu_tanh_mul(g, u, N, out);
+    for (int i = 0; i < N && ok; i++) {
+        const double x = g[i], want = 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))) * u[i];
+        ok &= close_to(out[i], want, 4e-6, "gelu_tanh", i);
+    }
     return ok;
 }
 
