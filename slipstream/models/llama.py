@@ -1,9 +1,15 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) in plain torch over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 2/3, Phi-3) in plain torch over a
+paged KV cache.
 
 One forward call runs a *step*: the new tokens of one or more sequences, flattened into a single
 [T] batch (a whole prompt for prefill, one token per sequence for decode). Dense work (norms,
 projections, MLP) runs on the whole batch; attention runs per sequence against its cache slots.
 Weights are `Linear`s, packed or dense, with Q/K/V and gate/up fused into one product each.
+
+`DecoderModel` is the step with every feature of the family (Gemma's soft-capping, post-norms, GeGLU,
+scaled embedding and sliding windows; Phi-3's LongRoPE and partial rotary); `LlamaModel` is the class
+the fast runtimes accept (plain configs, and Gemma 3, which the registry refuses by name);
+`EagerDecoderModel` the one they refuse; `models.qwen_moe.QwenMoeModel` replaces the MLP with experts.
 """
 from __future__ import annotations
 
