@@ -195,3 +195,17 @@ def test_tensor_parallelism_refuses_it(pair):
     from slipstream.errors import SlipstreamError
     with pytest.raises(SlipstreamError, match="Gemma 2"):
         _shard_llama(pair[1], 2, 0)
+
+
+def test_a_transformers_v4_config():
+    """google/gemma-2-2b's config.json as transformers 4.x wrote it (no layer_types, rope_theta at the top)."""
+    from slipstream.config import ModelConfig
+    c = ModelConfig.from_hf(dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=256,
+        sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0, cache_implementation="hybrid"))
+    assert c.architecture == "gemma2" and c.rope_theta == 10000.0 and c.rope_local_theta is None
+    assert c.layer_types == ("sliding", "full") * 13 and c.attn_scale == 256 ** -0.5
+    assert (c.attn_softcap, c.final_softcap, c.sliding_window) == (50.0, 30.0, 4096)
+    assert c.tie_word_embeddings and not c.qk_norm

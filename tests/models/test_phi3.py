@@ -271,3 +271,24 @@ def test_tensor_parallelism_refuses_it(pair):
     from slipstream.errors import SlipstreamError
     with pytest.raises(SlipstreamError, match="Phi-3"):
         _shard_llama(pair[1], 2, 0)
+
+
+def test_transformers_v4_configs():
+    """Phi-3.5-mini and Phi-4-mini config.json as transformers 4.x wrote them (rope_scaling of type
+    longrope, partial_rotary_factor at the top)."""
+    import math
+
+    from slipstream.config import ModelConfig
+    from slipstream.models.llama import LongRope
+    base = dict(model_type="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=131072,
+                original_max_position_embeddings=4096, rope_theta=10000.0, sliding_window=262144)
+    c = ModelConfig.from_hf(dict(base, rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                         long_factor=[2.0] * 48)))
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_dim == 96 and c.rotary_dim is None
+    amp = LongRope(c).amp
+    assert amp == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    c4 = ModelConfig.from_hf(dict(base, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8,
+                                  partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None,
+                                  rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[2.0] * 48)))
+    assert c4.head_dim == 128 and c4.rotary_dim == 96 and c4.layer_types is None and c4.tie_word_embeddings

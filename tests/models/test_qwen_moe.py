@@ -228,3 +228,22 @@ def test_tensor_parallelism_refuses_it(pair):
     from slipstream.errors import SlipstreamError
     with pytest.raises(SlipstreamError, match="MoE"):
         _shard_llama(pair[1], 2, 0)
+
+
+def test_transformers_v4_configs():
+    """Qwen1.5-MoE-A2.7B and Qwen3-30B-A3B config.json as transformers 4.x wrote them."""
+    from slipstream.config import ModelConfig
+    q2 = ModelConfig.from_hf(dict(
+        model_type="qwen2_moe", vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, rope_theta=1000000.0, decoder_sparse_step=1,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60,
+        norm_topk_prob=False, mlp_only_layers=[], use_sliding_window=False, sliding_window=32768))
+    assert q2.architecture == "qwen2moe" and q2.attention_bias and not q2.qk_norm and q2.num_experts == 60
+    assert q2.shared_expert_intermediate_size == 5632 and all(q2.moe_layers) and not q2.norm_topk_prob
+    q3 = ModelConfig.from_hf(dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0, decoder_sparse_step=1,
+        moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=True, mlp_only_layers=[],
+        attention_bias=False, tie_word_embeddings=False))
+    assert q3.architecture == "qwen3moe" and q3.qk_norm and not q3.attention_bias and q3.head_dim == 128
+    assert q3.num_experts_per_tok == 8 and q3.norm_topk_prob and q3.shared_expert_intermediate_size == 0
