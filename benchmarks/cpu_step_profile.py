@@ -39,7 +39,7 @@ def main() -> None:
     from slipstream.runtime.cpu_team import CpuTeamDecoder
 
     lib = load_library()
-    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + args.steps + 8) * args.batch + 64)
+    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + args.steps + 20) * args.batch + 64)
     model, kv = llm.model, llm.engine.kv
     weight_bytes = model.lm_head.nbytes + sum(w.nbytes for L in model.layers for w in L.linears())
     print(f"ISA: {lib.ss_isa().decode()}; batch {args.batch}; context {args.context}; "
@@ -48,7 +48,7 @@ def main() -> None:
         dec = CpuTeamDecoder(model, kv, exact=exact)
         seqs = [SequenceKV(kv) for _ in range(args.batch)]
         for i, s in enumerate(seqs):
-            s.reserve(args.context + args.steps + 2)
+            s.reserve(args.context + args.steps + 4)   # the warm-up steps too
             model.forward(prefill_step(s, [1 + i] * args.context), kv)
         tokens, pos = [2] * args.batch, [args.context] * args.batch
         times = []
