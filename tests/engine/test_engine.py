@@ -332,3 +332,20 @@ def test_aborting_a_request_that_finished_in_a_failed_step_frees_it(llm):
     r.finish_reason = "stop"              # as if the step had failed after it finished
     e.abort(r.request_id)
     assert_idle(e)
+
+
+def test_stop_strings_are_cut_and_a_possible_start_of_one_is_held_back():
+    """Output processing without a model: the text a stop string could still grow from is not final."""
+    from slipstream.engine.output import check_stop_strings, final_text, held_back
+
+    r = Request([1, 2], SamplingParams(max_tokens=8, stop=["END", "##"]))
+    r.text = "hello E"
+    assert held_back(r) == 1 and final_text(r, 0.0) == "hello " and r.emitted == 6
+    r.text = "hello EN"
+    assert held_back(r) == 2 and final_text(r, 0.0) == ""
+    r.text = "hello ENDING"
+    check_stop_strings(r, len("hello EN"))
+    assert r.text == "hello " and r.finish_reason == "stop" and final_text(r, 1.0) == ""
+    r2 = Request([1], SamplingParams(max_tokens=8, stop=["##"]))
+    r2.text = "a #"
+    assert held_back(r2) == 1 and final_text(r2, 0.0) == "a "
