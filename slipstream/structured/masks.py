@@ -26,11 +26,19 @@ def words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+PARALLEL = False
+
+
 def fill_masks(matchers: Sequence[Any], vocab: int) -> torch.Tensor:
     """An int32 [len(matchers), words(vocab)] bitmask; rows of None matchers allow everything."""
     out = np.full((len(matchers), words(vocab)), -1, dtype=np.int32)
-    for i, m in enumerate(matchers):
-        if m is not None:
+    live = [(i, m) for i, m in enumerate(matchers) if m is not None]
+    if PARALLEL and len(live) > 1:
+        from slipstream.structured.grammar import fill_many
+
+        fill_many(out, live)
+    else:
+        for i, m in live:
             m.fill(out[i])
     return torch.from_numpy(out)
 
@@ -98,6 +106,46 @@ def masked_copy(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray, rows: 
     return torch.from_numpy(out)
 
 
+def _plain_greedy(p: Any) -> bool:
+    return bool(p.greedy and not p.has_penalties and p.logprobs is None)
+
+
+def constrained_logits(logits: torch.Tensor, matchers: Sequence[Any], params: Sequence[Any], vocab: int,
+                       masks: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+    """The logits a batch samples from: the rows with a matcher (row i: `matchers[i]`, sampled by
+    `params[i]`) with the tokens their grammar forbids at -inf, in a copy (the caller's tensor is left
+    alone); `logits` itself when no row needs masking. `masks` (one row per logits row), where given,
+    are the masks already filled (on a helper thread while a GPU ran the step); else they are filled
+    here, only for the rows that need one.
+
+    A greedy row (no penalties, no logprobs) whose own best token the grammar surely allows needs no
+    mask: the best allowed token is that token (the lowest index among equal maxima, as the argmax
+    of the masked row). On the 135M model writing JSON that holds for ~88% of the rows, and the
+    check (~3 us) replaces a mask (~150 us for JSON string contents) and its application."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    given = None if masks is None else _words_of(masks)
+    a = logits.detach().float().cpu().numpy()
+    quick = [i for i in rows if _plain_greedy(params[i])]
+    need = [i for i in rows if not _plain_greedy(params[i])]
+    if quick:
+        best = (a if len(quick) == a.shape[0] else a[quick]).argmax(axis=1).tolist()
+        for i, t in zip(quick, best):
+            if given is not None:
+                sure = bool(int(given[i, t >> 5]) >> (t & 31) & 1) if (t >> 5) < given.shape[1] else False
+            else:
+                sure = matchers[i].surely_allows(t)
+            if not sure:
+                need.append(i)
+    if not need:
+        return logits
+    need.sort()
+    if given is None:
+        given = fill_masks([matchers[i] for i in need], vocab).numpy()
+    return masked_copy(logits, given, need)
+
+
 class MaskJob:
     """`fill_masks` on a helper thread: start it before the model step, `result()` after. Worth it when
     the model step leaves the CPU free (a GPU runtime); the CPU runtime's thread team has every core,
@@ -115,10 +163,12 @@ class MaskJob:
 
 
 class MaskNow:
-    """The masks filled at once, on this thread (the CPU runtime's case); same face as MaskJob."""
+    """The CPU runtime's case, same face as MaskJob: nothing is filled before the step (work beside
+    the step's thread team only slows it down); `result()` is None, and `constrained_logits` fills
+    after the step the masks that the step's rows turn out to need."""
 
     def __init__(self, matchers: Sequence[Any], vocab: int):
-        self._out = fill_masks(matchers, vocab)
+        pass
 
-    def result(self) -> torch.Tensor:
-        return self._out
+    def result(self) -> torch.Tensor | None:
+        return None

@@ -130,13 +130,15 @@ def test_apply_masks_touches_only_the_given_rows():
 
 
 def test_the_helper_thread_fills_the_same_masks(tok):
-    """MaskJob (masks computed while a GPU runs the step) gives what filling them here gives."""
+    """MaskJob (masks computed while a GPU runs the step) gives what filling them here gives; MaskNow
+    (the CPU runtime) leaves the filling to after the step."""
     from slipstream.structured.masks import MaskJob, MaskNow
 
     matchers = [_matcher(tok, Constraint.json_schema(SCHEMA)), None, _matcher(tok, Constraint.choice(["ab", "c"]))]
-    assert torch.equal(MaskJob(matchers, tok.vocab_size).result(), MaskNow(matchers, tok.vocab_size).result())
-    assert torch.equal(MaskNow(matchers, tok.vocab_size).result()[1], torch.full((tok.vocab_size // 32,), -1,
-                                                                                 dtype=torch.int32))
+    assert torch.equal(MaskJob(matchers, tok.vocab_size).result(), fill_masks(matchers, tok.vocab_size))
+    assert torch.equal(fill_masks(matchers, tok.vocab_size)[1], torch.full((tok.vocab_size // 32,), -1,
+                                                                           dtype=torch.int32))
+    assert MaskNow(matchers, tok.vocab_size).result() is None
 
 
 def _reference_masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -182,3 +184,94 @@ def test_masked_copy_matches_the_bitwise_reference_for_every_row_layout(vocab, n
     assert same(masked_copy(logits, bitmask, []), logits)
     with pytest.raises(ValueError):
         masked_copy(logits, bitmask[:3], rows)
+
+
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "topic": {"type": "string", "maxLength": 24},
+    "items": {"type": "array", "minItems": 3, "maxItems": 3,
+              "items": {"type": "string", "minLength": 3, "maxLength": 24}}},
+    "required": ["topic", "items"], "additionalProperties": False}
+MIXED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "ok": {"type": "boolean"}, "x": {"anyOf": [{"type": "number"}, {"type": "null"}]}},
+    "required": ["name", "age", "tags", "ok", "x"], "additionalProperties": False}
+WALKS = [
+    (Constraint.json_schema(BENCH_SCHEMA), '{"topic":"fruits","items":["apple","banana cake","kiwi"]}'),
+    (Constraint.json_schema(MIXED_SCHEMA), '{"name":"Ada Love","age":36,"tags":["a b","cd"],"ok":true,"x":-1.5e3}'),
+    (Constraint.json_object(), '{"a":[1,2,{"b":"c"}],"d":null}'),
+    (Constraint.regex("[0-9]{3}-[a-z]+"), "123-abc"),
+    (Constraint.choice(["yes", "no", "yesterday"]), "yesterday"),
+    (Constraint.grammar('root ::= "A" ("B" | "C")+ " end"'), "ABCBB end"),
+]
+
+
+def _walk(tok, c: Constraint, text: str):
+    """(matcher, its mask as a bool array over the vocabulary, the next answer token or None) at every
+    state along the answer."""
+    import numpy as np
+
+    m = _matcher(tok, c)
+    ids = tok.encode(text, add_special_tokens=False)
+    for t in ids + [None]:
+        words = fill_masks([m], tok.vocab_size).numpy()[0]
+        yield m, np.unpackbits(words.view(np.uint8), bitorder="little")[:tok.vocab_size].astype(bool), t
+        if t is not None:
+            assert m.accept(t)
+
+
+@pytest.mark.parametrize("c,text", WALKS, ids=[c.kind for c, _ in WALKS])
+def test_surely_allows_never_claims_a_token_the_mask_forbids(tok, c, text):
+    """The quick check behind constrained_logits: where it says yes, the mask agrees, for every token the
+    mask forbids at every state of an answer (forced text, string contents, numbers, the end)."""
+    import numpy as np
+
+    sure_next = 0
+    for m, allowed, nxt in _walk(tok, c, text):
+        wrong = [t for t in np.nonzero(~allowed)[0].tolist() if m.surely_allows(t)]
+        assert not wrong, [(t, tok.decode([t])) for t in wrong[:5]]
+        sure_next += nxt is not None and m.surely_allows(nxt)
+    if c.kind in ("json_schema", "json_object"):
+        assert sure_next > 0   # the check is of use: free text answers yes
+
+
+def test_constrained_logits_samples_what_the_full_masks_sample(tok):
+    """Greedy rows left unmasked where their best token is surely allowed still pick the token the masked
+    row picks; rows with penalties, logprobs or a temperature get exactly the masked row; a row
+    without a matcher is untouched; masks given in advance give the same."""
+    from slipstream.engine.sampling import Sampler, SamplingParams
+    from slipstream.structured.masks import constrained_logits, masked_copy
+
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),
+              SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=0, repetition_penalty=1.3),
+              SamplingParams(temperature=0)]
+    g = torch.Generator().manual_seed(0)
+    walks = [_walk(tok, *WALKS[i]) for i in (0, 1, 0, 2)]
+    skipped = 0
+    for step in range(9):
+        states = [next(w, None) for w in walks]
+        if any(s is None for s in states):
+            break
+        matchers = [m for m, _, _ in states] + [None]
+        logits = torch.randn(5, tok.vocab_size, generator=g)
+        for r, (_, allowed, nxt) in enumerate(states):
+            if nxt is not None and step % 3:
+                logits[r, nxt] += 20          # the model agrees with the grammar
+            else:
+                logits[r, int((~allowed).argmax())] += 20   # the model wants a forbidden token
+        full = fill_masks(matchers, tok.vocab_size)
+        want = masked_copy(logits, full, [0, 1, 2, 3])
+        before = logits.clone()
+        for masks in (None, full):
+            got = constrained_logits(logits, matchers, params, tok.vocab_size, masks)
+            assert torch.equal(logits, before)
+            for r in (1, 2, 3):
+                assert torch.equal(got[r], want[r])
+            assert torch.equal(got[4], logits[4])
+            assert int(got[0].argmax()) == int(want[0].argmax())
+            skipped += masks is None and not torch.equal(got[0], want[0])
+            if masks is None:
+                outs = [Sampler()(x, params, [[1, 2]] * 5, [[3]] * 5,
+                                  [torch.Generator().manual_seed(1) for _ in range(5)]) for x in (got, want)]
+                assert outs[0].token_ids == outs[1].token_ids
+    assert skipped > 0   # the quick path was taken
