@@ -195,7 +195,8 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
             per_op.setdefault(op, []).append((kind, loop_cost(lp)))
     consts = kernel_constants(plan)
     t = plan.tiles
-    shape_of = {1: (plan.head_dim // 2, True), 4: (t.o, False), 5: (t.gate_up, True), 6: (t.down, False),
+    qkv_tile = plan.head_dim // 2 // getattr(t, "qkv_parts", 1)
+    shape_of = {1: (qkv_tile, True), 4: (t.o, False), 5: (t.gate_up, True), 6: (t.down, False),
                 7: (t.lm_head, False)}
     names = {1: "QKV_ROPE", 4: "O_PROJ", 5: "GATE_UP", 6: "DOWN", 7: "LM_HEAD"}
     key = {op: (*shape_of[op], consts.get(BK_NAME[n])) for op, n in names.items()}
@@ -224,7 +225,9 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
     warps = code.warps
     total, hbm = 0.0, 0.0
     loops = code.loops.get(op, [])
-    rows_of = {Op.QKV_ROPE: D, Op.O_PROJ: t1 - t0, Op.GATE_UP: t1 - t0, Op.DOWN: t1 - t0, Op.LM_HEAD: t1 - t0}
+    # QKV: rotation pairs [t0, t1) of one head, two rows each (an older tree: one task per head)
+    qkv_rows = 2 * (t1 - t0) if hasattr(plan.tiles, "qkv_parts") else D
+    rows_of = {Op.QKV_ROPE: qkv_rows, Op.O_PROJ: t1 - t0, Op.GATE_UP: t1 - t0, Op.DOWN: t1 - t0, Op.LM_HEAD: t1 - t0}
     k_of = {Op.QKV_ROPE: Hd, Op.O_PROJ: plan.num_heads * D, Op.GATE_UP: Hd, Op.DOWN: F, Op.LM_HEAD: Hd}
     mv_loops = [lc for kd, lc in loops if kd == "mv"]
     for kind, lc in loops:

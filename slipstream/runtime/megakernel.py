@@ -159,8 +159,8 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
                 S_BLOCK=min(max(_pow2(p.splits), 2), 16), P=t.partition, BLOCK_SIZE=p.block_size,
                 BLOCK_B=B, BLOCK_K=block_k or (128 if p.batch <= 2 else 64), BLOCK_T=min(_pow2(t.partition), 64),
                 T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
-                T_LM=_pow2(t.lm_head), BLOCK_V=1024,
-                BK_QKV=bk(p.head_dim // 2, Hd, True), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd, True),
+                T_LM=_pow2(t.lm_head), T_QKV=_pow2(p.head_dim // 2 // t.qkv_parts), BLOCK_V=1024,
+                BK_QKV=bk(p.head_dim // 2 // t.qkv_parts, Hd, True), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd, True),
                 BK_DOWN=bk(t.down, F),
                 BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head, TILE_E=t.embed, TILE_O=t.o, TILE_D=t.down,
                 NT_PAD=max(_pow2(p.norm_tiles), 2))

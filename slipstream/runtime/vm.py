@@ -82,10 +82,11 @@ class _Views:
         """Records the sums of squares of x[:, t0:t1], just finished, for version `slot`'s norm."""
         self.sumsq[slot, :, t0 // tile] = self.x[:, t0:t1].pow(2).sum(-1)
 
-    def rope(self, y: torch.Tensor) -> torch.Tensor:
-        """LlamaModel._rope on [B, D] rows at each row's position (half-rotation layout)."""
+    def rope(self, y: torch.Tensor, j0: int = 0) -> torch.Tensor:
+        """LlamaModel._rope on [B, 2n] rows at each row's position (half-rotation layout): the rotation
+        pairs j0 .. j0 + n of a head (all of it by default)."""
         half = y.shape[-1] // 2
-        angle = self.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angle = self.positions.to(torch.float32)[:, None] * self.inv_freq[None, j0:j0 + half]
         cos, sin = angle.cos(), angle.sin()
         y1, y2 = y[:, :half], y[:, half:]
         return torch.cat((y1 * cos - y2 * sin, y2 * cos + y1 * sin), dim=-1)
@@ -106,19 +107,26 @@ def _embed(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> N
 
 
 def _qkv_rope(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    """Rotation pairs [t0, t1) of one head: rows j and j + D/2 of it for j in [j0, j1)."""
     p = m.plan
     H, KVH, D = p.num_heads, p.num_kv_heads, p.head_dim
-    rows = m.matrix(w_off, (H + 2 * KVH) * D, p.hidden_size)[t0 * D:(t0 + 1) * D].float()
-    y = m.normed_x(n_off, 2 * layer) @ rows.T            # [B, D]
-    if t0 < H:
-        m.q[:, t0] = m.rope(y)
+    half = D // 2
+    head, j0, j1 = t0 // half, t0 % half, t0 % half + (t1 - t0)
+    qkv = m.matrix(w_off, (H + 2 * KVH) * D, p.hidden_size)
+    rows = torch.cat((qkv[head * D + j0:head * D + j1], qkv[head * D + half + j0:head * D + half + j1])).float()
+    y = m.normed_x(n_off, 2 * layer) @ rows.T            # [B, 2 (j1 - j0)]: the pairs' first, then second halves
+    if head < H + KVH:
+        y = m.rope(y, j0)
+    y1, y2 = y[:, :j1 - j0], y[:, j1 - j0:]
+    if head < H:
+        m.q[:, head, j0:j1] = y1
+        m.q[:, head, half + j0:half + j1] = y2
         return
-    cache, kvh = (m.k, t0 - H) if t0 < H + KVH else (m.v, t0 - H - KVH)
-    if cache is m.k:
-        y = m.rope(y)
+    cache, kvh = (m.k, head - H) if head < H + KVH else (m.v, head - H - KVH)
     for b, slot in enumerate(m.write_slots.tolist()):
         if slot >= 0:
-            cache[layer, slot, kvh] = y[b].to(cache.dtype)
+            cache[layer, slot, kvh, j0:j1] = y1[b].to(cache.dtype)
+            cache[layer, slot, kvh, half + j0:half + j1] = y2[b].to(cache.dtype)
 
 
 def _attn_split(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:

@@ -25,8 +25,9 @@ from slipstream.runtime.vm import PlanDecoder  # noqa: E402
 
 BLOCK = 4
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel's device; eager and the VM stay on the CPU
-# small tiles: several attention splits, several tiles per projection, short last tiles
-TILES = TileConfig(embed=48, o=24, gate_up=48, down=16, lm_head=96, partition=8)
+# small tiles: several attention splits, several tiles per projection, short last tiles, each
+# head's QKV product in two tasks (4 of its 8 rotation pairs each)
+TILES = TileConfig(embed=48, o=24, gate_up=48, down=16, lm_head=96, partition=8, qkv_parts=2)
 
 
 def _prefill(model, kv, seq: SequenceKV, prompt: list[int]) -> int:
@@ -128,7 +129,8 @@ def test_unsupported_models_are_refused():
 
 TRITON36 = Path(__file__).resolve().parents[2] / "build" / "venv-triton36" / "bin" / "python"
 _SPILL_36 = pytest.mark.xfail(strict=True, reason="with Triton 3.6 (the GPU machine's) the dense-8B kernel "
-                                                  "spills 72-112 bytes (255 registers): issue 18, open")
+                                                  "spills 96-112 bytes at batch 4-8 (255 registers; 64 at "
+                                                  "batch 1): issue 18, open")
 
 
 @pytest.mark.parametrize("triton_build", ["installed", "triton-3.6"])
@@ -146,7 +148,7 @@ def test_megakernel_compiles_for_hopper(shape, batch, profile, triton_build, req
         if not TRITON36.exists():
             pytest.skip(f"no Triton 3.6 venv at {TRITON36} (run `bash benchmarks/triton36_venv.sh`)")
         python = str(TRITON36)
-        if shape == "dense-8B":
+        if shape == "dense-8B" and batch > 1:
             request.applymarker(_SPILL_36)
     prefetch = int(profile)   # the profiled variant also carries the L2 prefetch
     code = f"""

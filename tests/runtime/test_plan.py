@@ -10,13 +10,29 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.kv.blocks import SequenceKV
-from slipstream.step import StepInput, decode_step, prefill_step
 from slipstream.models.random_init import random_llama, shape_config
-from slipstream.runtime.plan import (LAYER, OP, T0, T1, WAIT_COUNT, WAIT_EV, Op, Plan, PlanError, TileConfig,
-                                     WeightLayout, compile_plan, fill_inputs, new_buffers, pack_weights, supports,
-                                     validate)
+from slipstream.runtime.plan import (
+    LAYER,
+    OP,
+    T0,
+    T1,
+    WAIT_COUNT,
+    WAIT_EV,
+    Op,
+    Plan,
+    PlanError,
+    TileConfig,
+    WeightLayout,
+    compile_plan,
+    fill_inputs,
+    new_buffers,
+    pack_weights,
+    supports,
+    validate,
+)
 from slipstream.runtime.plan.validator import _check_data_flow
 from slipstream.runtime.vm import PlanDecoder, run_plan
+from slipstream.step import StepInput, decode_step, prefill_step
 from slipstream.weights.quant import Linear
 
 SMOLLM2_135M = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
@@ -75,8 +91,9 @@ def test_plan_order_and_events():
     assert t.shape[1] == 10 and t.dtype == torch.int64
     assert t[0, OP] == Op.EMBED and t[-1, OP] == Op.ARGMAX
     H, KVH, G = plan.num_heads, plan.num_kv_heads, plan.group
+    half = plan.head_dim // 2     # QKV tasks: rotation pairs [T0, T1) of one head (one task per head here)
     heads = t[_rows(plan, Op.QKV_ROPE, 0), T0].tolist()
-    assert heads == [h for g in range(KVH) for h in [*range(g * G, g * G + G), H + g, H + KVH + g]]
+    assert heads == [h * half for g in range(KVH) for h in [*range(g * G, g * G + G), H + g, H + KVH + g]]
     splits = t[_rows(plan, Op.ATTN_SPLIT, 1)][:, [T0, T1]].tolist()
     assert splits == [[g, s] for g in range(KVH) for s in range(plan.splits)]
     o = t[_rows(plan, Op.O_PROJ, 0)]
@@ -115,7 +132,7 @@ def _broken(kind: str) -> Plan:
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("removed wait", r"ATTN_SPLIT layer 1 \[0, 0\)\) reads q\[0:2\] before its producer task \d+ \(QKV_ROPE layer 1"),
+    ("removed wait", r"ATTN_SPLIT layer 1 \[0, 0\)\) reads q\[0:16\] before its producer task \d+ \(QKV_ROPE layer 1"),
     ("wrong wait count", r"O_PROJ layer 0 \[16, 32\)\) waits for 1 signals of event 'attn_done\[0\]', which "
                          r"receives 2"),
     ("moved before producer", r"GATE_UP layer 0 \[96, 128\)\) waits on event 'o_done\[0\]' but its producer .*"
@@ -150,7 +167,7 @@ def test_data_flow_catches_write_after_read():
     stray[WAIT_EV], stray[WAIT_COUNT] = plan.event_names.index("embed_done"), plan.event_counts[0]
     at = _rows(plan, Op.QKV_ROPE, 0)[0]
     rows = torch.cat([t[:at], stray[None], t[at:]]).tolist()
-    with pytest.raises(PlanError, match=r"task 4 \(QKV_ROPE layer 0 \[0, 1\)\) writes q\[0:1\] while task 3 "
+    with pytest.raises(PlanError, match=r"task 4 \(QKV_ROPE layer 0 \[0, 8\)\) writes q\[0:8\] while task 3 "
                                         r"\(ATTN_SPLIT layer 1 \[0, 0\)\), which reads it, may still be running"):
         _check_data_flow(plan, rows)
 
@@ -217,14 +234,16 @@ def _decode_step(seqs: list[SequenceKV], tokens: list[int], positions: list[int]
     return decode_step(seqs, tokens, positions)
 
 
-@pytest.mark.parametrize("prompt_lens", [[14], [3, 14, 30]])
-def test_vm_matches_eager(prompt_lens):
+@pytest.mark.parametrize("prompt_lens,qkv_parts", [([14], 1), ([3, 14, 30], 1), ([3, 14, 30], 4)])
+def test_vm_matches_eager(prompt_lens, qkv_parts):
     """Contexts cross KV blocks (size 4) and attention partitions (16); the VM's cache gets a different,
-    interleaved block layout from the eager one's, so its block tables differ and are not contiguous."""
+    interleaved block layout from the eager one's, so its block tables differ and are not contiguous.
+    With `qkv_parts` 4 each head's QKV product and RoPE run as 4 tasks of 2 rotation pairs."""
     model = random_llama(shape_config("tiny"), seed=1)
     kv_e, kv_p = model.new_kv_cache(64, 4), model.new_kv_cache(64, 4)
     kv_p.allocator.allocate(3)
-    decoder = PlanDecoder(model, kv_p, max_batch=4, max_context=64, tiles=SMALL_TILES)
+    decoder = PlanDecoder(model, kv_p, max_batch=4, max_context=64,
+                          tiles=dataclasses.replace(SMALL_TILES, qkv_parts=qkv_parts))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in prompt_lens]
     seqs_e, seqs_p = [SequenceKV(kv_e) for _ in prompts], [SequenceKV(kv_p) for _ in prompts]

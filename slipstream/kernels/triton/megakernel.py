@@ -177,7 +177,7 @@ def _prefetch_weights(w_base, op, t0, t1, Hd, F, error_ptr, HD: tl.constexpr, D:
     -3e38 could trigger, so the compiler cannot drop the loads."""
     ROWS: tl.constexpr = 16
     is_mat = (op == QKV_ROPE) | ((op >= O_PROJ) & (op <= LM_HEAD))
-    lo = tl.where(op == QKV_ROPE, t0 * D, t0)
+    lo = tl.where(op == QKV_ROPE, (t0 // (D // 2)) * D, t0)   # QKV: the whole head of pairs [t0, t1)
     n = tl.where(is_mat, tl.where(op == QKV_ROPE, D, t1 - t0), 0)
     K = tl.where(op == O_PROJ, HD, tl.where(op == DOWN, F, Hd))
     passes = tl.where(op == GATE_UP, 2, 1)    # gate rows, then the matching up rows at F + row
@@ -208,7 +208,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 S_BLOCK: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
                 T_EMBED: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-                T_LM: tl.constexpr, BLOCK_V: tl.constexpr, BK_QKV: tl.constexpr,
+                T_LM: tl.constexpr, T_QKV: tl.constexpr, BLOCK_V: tl.constexpr, BK_QKV: tl.constexpr,
                 BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr, BK_LM: tl.constexpr,
                 LM_TILE: tl.constexpr, TILE_E: tl.constexpr, TILE_O: tl.constexpr, TILE_D: tl.constexpr,
                 NT_PAD: tl.constexpr,
@@ -223,7 +223,6 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
     offs_b = tl.arange(0, BLOCK_B)
     b_mask = offs_b < B
     offs_d = tl.arange(0, D)
-    offs_h = tl.arange(0, HALF)
     offs_g = tl.arange(0, G_PAD)
     g_mask = offs_g < G
     x_base = A_ptr + X_OFF
@@ -282,33 +281,37 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     e = tl.load(w_base + tok[:, None] * Hd + cols[None, :], mask=m2, other=0.0).to(tl.float32)
                     tl.store(x_base + offs_b[:, None] * Hd + cols[None, :], e, mask=m2)
                     _store_sumsq(A_ptr + SS_OFF, offs_b, b_mask, e, NT, t0 // TILE_E)
-                elif op == QKV_ROPE:   # one head of the fused norm + QKV product, rotated, stored
+                elif op == QKV_ROPE:   # rotation pairs [t0, t1) of one head: norm + QKV rows, rotated, stored
                     rstd = _rstd_of(A_ptr + SS_OFF + 2 * layer * B * NT, offs_b, b_mask,
                                     tl.where(layer == 0, NT_E, NT_D), Hd, eps, NT, NT_PAD)
-                    r0 = t0 * D
-                    y1, y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF, HALF,
-                                      Hd, True, True, HALF, BK_QKV, BLOCK_B)
+                    head = t0 // HALF
+                    j0 = t0 % HALF
+                    r0 = head * D + j0
+                    offs_j = j0 + tl.arange(0, T_QKV)
+                    j_mask = offs_j < j0 + (t1 - t0)
+                    y1, y2 = _mv_tile(x_base, Hd, offs_b, b_mask, rstd, W_ptr + n_off, w_base, r0, r0 + HALF,
+                                      t1 - t0, Hd, True, True, T_QKV, BK_QKV, BLOCK_B)
                     slot = tl.load(I_ptr + SLOT_OFF + offs_b, mask=b_mask, other=-1)
-                    if t0 < H + KVH:
+                    if head < H + KVH:
                         pos = tl.load(I_ptr + POS_OFF + offs_b, mask=b_mask, other=0).to(tl.float32)
-                        freqs = pos[:, None] * tl.load(inv_freq_ptr + offs_h)[None, :]
+                        freqs = pos[:, None] * tl.load(inv_freq_ptr + offs_j, mask=j_mask, other=0.0)[None, :]
                         cos = tl.cos(freqs)
                         sin = tl.sin(freqs)
                         o1 = y1 * cos - y2 * sin
                         o2 = y2 * cos + y1 * sin
-                        if t0 < H:
-                            q_dst = A_ptr + Q_OFF + (offs_b[:, None] * H + t0) * D + offs_h[None, :]
-                            tl.store(q_dst, o1, mask=b_mask[:, None])
-                            tl.store(q_dst + HALF, o2, mask=b_mask[:, None])
+                        if head < H:
+                            q_dst = A_ptr + Q_OFF + (offs_b[:, None] * H + head) * D + offs_j[None, :]
+                            tl.store(q_dst, o1, mask=b_mask[:, None] & j_mask[None, :])
+                            tl.store(q_dst + HALF, o2, mask=b_mask[:, None] & j_mask[None, :])
                         else:
-                            k_keep = (b_mask & (slot >= 0))[:, None]
-                            k_dst = k_ptr + ((layer * num_slots + slot) * KVH + (t0 - H))[:, None] * D + offs_h[None, :]
+                            k_keep = (b_mask & (slot >= 0))[:, None] & j_mask[None, :]
+                            k_dst = k_ptr + ((layer * num_slots + slot) * KVH + (head - H))[:, None] * D + offs_j[None, :]
                             tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=k_keep)
                             tl.store(k_dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=k_keep)
                     else:
-                        v_keep = (b_mask & (slot >= 0))[:, None]
-                        v_row = (layer * num_slots + slot) * KVH + (t0 - H - KVH)
-                        v_dst = v_ptr + v_row[:, None] * D + offs_h[None, :]
+                        v_keep = (b_mask & (slot >= 0))[:, None] & j_mask[None, :]
+                        v_row = (layer * num_slots + slot) * KVH + (head - H - KVH)
+                        v_dst = v_ptr + v_row[:, None] * D + offs_j[None, :]
                         tl.store(v_dst, y1.to(v_ptr.dtype.element_ty), mask=v_keep)
                         tl.store(v_dst + HALF, y2.to(v_ptr.dtype.element_ty), mask=v_keep)
                 elif op == ATTN_SPLIT:   # kv head t0, tokens [t1*P, (t1+1)*P) of every sequence

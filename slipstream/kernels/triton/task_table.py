@@ -19,7 +19,8 @@ WEIGHT_ALIGN = 16   # elements: every weight starts on a 32-byte (bf16) / 64-byt
 
 class Op(IntEnum):
     EMBED = 0        # x[:, T0:T1] = embed rows of the tokens
-    QKV_ROPE = 1     # RMSNorm + one head (T0) of the fused QKV product, RoPE, q or KV-cache write
+    QKV_ROPE = 1     # RMSNorm + rotation pairs [T0, T1) of one head (pair p: head p // (D/2), rows j and
+                     # j + D/2 of it, j = p % (D/2)) of the fused QKV product, RoPE, q or KV-cache write
     ATTN_SPLIT = 2   # kv head T0, split T1: unnormalised softmax partials of its G query heads
     ATTN_REDUCE = 3  # kv head T0: merge the splits of its G query heads into attn
     O_PROJ = 4       # x[:, T0:T1] += attn @ Wo[T0:T1].T

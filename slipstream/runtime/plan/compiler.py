@@ -22,7 +22,9 @@ def default_tiles(cfg: ModelConfig, max_context: int, num_programs: int, fill: b
     leave programs idle get about as many tasks as programs (at least 95%: dense-1B and -8B get 128
     for 132 SMs, where the next halving would double the tasks and their fixed cost): O and DOWN rows
     per task (a power of two, at least 16) and attention partitions (a power of two, at least 16
-    tokens: kv heads x splits of the bucket's context). The QKV phase (one task per head) is not cut."""
+    tokens: kv heads x splits of the bucket's context). The QKV phase (H + 2 KVH heads) is cut into
+    the most parts per head (a power of two, at least 4 rotation pairs each) that still fit in one
+    round of the programs: more would add a second round of tasks, each still latency-bound."""
     base = TileConfig()
     if not fill:
         return base
@@ -34,7 +36,11 @@ def default_tiles(cfg: ModelConfig, max_context: int, num_programs: int, fill: b
     # (bounded by the context: with few programs, e.g. 1 under the interpreter, the count never drops below)
     while part < max_context and cfg.num_kv_heads * cdiv(max_context, part * 2) >= enough:
         part *= 2
-    return dataclasses.replace(base, o=rows, down=rows, partition=part)
+    heads, half = cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim // 2
+    qkv_parts = 1
+    while half % (qkv_parts * 2) == 0 and half // (qkv_parts * 2) >= 4 and heads * qkv_parts * 2 <= num_programs:
+        qkv_parts *= 2
+    return dataclasses.replace(base, o=rows, down=rows, partition=part, qkv_parts=qkv_parts)
 
 
 def tile_ranges(n: int, size: int) -> list[tuple[int, int]]:
@@ -70,6 +76,8 @@ def compile_plan(cfg: ModelConfig, batch: int, max_context: int, block_size: int
     L, Hd, H, KVH = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
     F, V, G = cfg.intermediate_size, cfg.vocab_size, cfg.num_heads // cfg.num_kv_heads
     S = cdiv(max_context, tiles.partition)
+    half = cfg.head_dim // 2
+    pairs = half // tiles.qkv_parts
     embed_tiles, o_tiles = tile_ranges(Hd, tiles.embed), tile_ranges(Hd, tiles.o)
     gu_tiles, down_tiles = tile_ranges(F, tiles.gate_up), tile_ranges(Hd, tiles.down)
     lm_tiles = tile_ranges(V, tiles.lm_head)
@@ -81,7 +89,7 @@ def compile_plan(cfg: ModelConfig, batch: int, max_context: int, block_size: int
     ready = embed_done            # what the next layer's QKV waits on
     for li in range(L):
         w = layout.layers[li]
-        qkv_done = [b.event(f"qkv_done[{li}][{g}]", G + 2) for g in range(KVH)]
+        qkv_done = [b.event(f"qkv_done[{li}][{g}]", (G + 2) * tiles.qkv_parts) for g in range(KVH)]
         split_done = [b.event(f"split_done[{li}][{g}]", S) for g in range(KVH)]
         attn_done = b.event(f"attn_done[{li}]", KVH)
         o_done = b.event(f"o_done[{li}]", len(o_tiles))
@@ -89,7 +97,9 @@ def compile_plan(cfg: ModelConfig, batch: int, max_context: int, block_size: int
         down_done = b.event(f"down_done[{li}]", len(down_tiles))
         for g in range(KVH):
             for head in [*range(g * G, (g + 1) * G), H + g, H + KVH + g]:
-                b.task(Op.QKV_ROPE, li, head, head + 1, ready, qkv_done[g], w["qkv"], w["attn_norm"])
+                for j0 in range(0, half, pairs):    # rotation pairs [j0, j0 + pairs) of the head
+                    b.task(Op.QKV_ROPE, li, head * half + j0, head * half + j0 + pairs, ready, qkv_done[g],
+                           w["qkv"], w["attn_norm"])
         for g in range(KVH):
             for s in range(S):
                 b.task(Op.ATTN_SPLIT, li, g, s, qkv_done[g], split_done[g])
@@ -123,6 +133,9 @@ def _check_compile_args(cfg: ModelConfig, batch: int, max_context: int, block_si
         raise ValueError("batch, max_context and block_size must be positive")
     if min(dataclasses.astuple(tiles)) < 1:
         raise ValueError(f"tile sizes must be positive: {tiles}")
+    q = tiles.qkv_parts
+    if q & (q - 1) or (cfg.head_dim // 2) % q:
+        raise ValueError(f"qkv_parts {q} is not a power of two dividing head_dim / 2 = {cfg.head_dim // 2}")
     if layout not in (WeightLayout.for_config(cfg, True), WeightLayout.for_config(cfg, False)):
         raise ValueError("the weight layout was not made for this model config")
 

@@ -55,13 +55,16 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Work per task: columns per EMBED task, rows per matrix task, tokens per attention split."""
+    """Work per task: columns per EMBED task, rows per matrix task, tokens per attention split, and
+    `qkv_parts`: tasks per head of the QKV product (a power of two dividing head_dim / 2; each task
+    computes head_dim / 2 / qkv_parts rotation pairs: the same rows of both RoPE halves)."""
     embed: int = 512
     o: int = 32
     gate_up: int = 32
     down: int = 32
     lm_head: int = 64     # larger LM-head tiles spill registers in the megakernel (cuobjdump -res-usage)
     partition: int = 256
+    qkv_parts: int = 1
 
 
 # -- flat buffer layouts ----------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def _check_metadata(plan: Plan) -> None:
 def _bounds(plan: Plan, op: Op) -> int:
     """The exclusive upper bound of T0..T1 for `op` (ATTN_SPLIT: of T0, the kv head)."""
     H, KVH = plan.num_heads, plan.num_kv_heads
-    return {Op.EMBED: plan.hidden_size, Op.QKV_ROPE: H + 2 * KVH, Op.ATTN_SPLIT: KVH, Op.ATTN_REDUCE: KVH,
+    return {Op.EMBED: plan.hidden_size, Op.QKV_ROPE: (H + 2 * KVH) * (plan.head_dim // 2),    # rotation pairs
+            Op.ATTN_SPLIT: KVH, Op.ATTN_REDUCE: KVH,
             Op.O_PROJ: plan.hidden_size, Op.GATE_UP: plan.intermediate_size, Op.DOWN: plan.hidden_size,
             Op.LM_HEAD: plan.vocab_size, Op.ARGMAX: plan.vocab_size}[op]
 
@@ -93,8 +94,11 @@ def _check_row(plan: Plan, i: int, r: list[int]) -> None:
             raise fail(f"kv head / split out of range ({hi} kv heads, {plan.splits} splits)")
     elif not 0 <= r[T0] < r[T1] <= hi:
         raise fail(f"empty or out-of-range tile (bound {hi})")
-    if op in (Op.QKV_ROPE, Op.ATTN_REDUCE) and r[T1] != r[T0] + 1:
+    if op == Op.ATTN_REDUCE and r[T1] != r[T0] + 1:
         raise fail("a head task covers exactly one head")
+    half = plan.head_dim // 2
+    if op == Op.QKV_ROPE and (r[T0] // half != (r[T1] - 1) // half or r[T1] - r[T0] != half // plan.tiles.qkv_parts):
+        raise fail(f"a QKV task covers {half // plan.tiles.qkv_parts} rotation pairs of one head")
     if op == Op.ARGMAX and (r[T0], r[T1]) != (0, plan.vocab_size):
         raise fail("ARGMAX reads the whole vocabulary")
     if not 0 <= r[SIG_EV] < n_ev:
@@ -248,23 +252,25 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
     op, li, t0, t1 = Op(r[OP]), r[LAYER], r[T0], r[T1]
     H, KVH, G, S = plan.num_heads, plan.num_kv_heads, plan.group, plan.splits
     Hd, F, V = plan.hidden_size, plan.intermediate_size, plan.vocab_size
+    half = plan.head_dim // 2
     x = ("x",)
     def ss(slot: int) -> tuple:
         return ("sumsq", slot)
     if op == Op.EMBED:
         return [], [(x, t0, t1), (ss(0), t0 // plan.tiles.embed, t0 // plan.tiles.embed + 1)]
-    if op == Op.QKV_ROPE:
+    if op == Op.QKV_ROPE:    # q, k and v by rotation pair (head * D/2 + j): pairs [t0, t1) of one head
         out: tuple[tuple, int, int]
-        if t0 < H:
-            out = (("q",), t0, t0 + 1)
-        elif t0 < H + KVH:
-            out = (("k", li), t0 - H, t0 - H + 1)
+        if t0 < H * half:
+            out = (("q",), t0, t1)
+        elif t0 < (H + KVH) * half:
+            out = (("k", li), t0 - H * half, t1 - H * half)
         else:
-            out = (("v", li), t0 - H - KVH, t0 - H - KVH + 1)
+            out = (("v", li), t0 - (H + KVH) * half, t1 - (H + KVH) * half)
         return [(x, 0, Hd), (ss(2 * li), 0, plan.norm_producers(2 * li))], [out]
     if op == Op.ATTN_SPLIT:
         g, s = t0, t1
-        return ([(("q",), g * G, (g + 1) * G), (("k", li), g, g + 1), (("v", li), g, g + 1)],
+        return ([(("q",), g * G * half, (g + 1) * G * half), (("k", li), g * half, (g + 1) * half),
+                 (("v", li), g * half, (g + 1) * half)],
                 [(("part",), g * S + s, g * S + s + 1)])
     if op == Op.ATTN_REDUCE:
         return [(("part",), t0 * S, (t0 + 1) * S)], [(("attn",), t0 * G, (t0 + 1) * G)]
@@ -284,7 +290,9 @@ def _accesses(plan: Plan, r: list[int]) -> tuple[list[tuple[tuple, int, int]], l
 
 
 def _region_size(plan: Plan, key: tuple) -> int:
-    return {"x": plan.hidden_size, "q": plan.num_heads, "k": plan.num_kv_heads, "v": plan.num_kv_heads,
+    half = plan.head_dim // 2
+    return {"x": plan.hidden_size, "q": plan.num_heads * half, "k": plan.num_kv_heads * half,
+            "v": plan.num_kv_heads * half,
             "part": plan.num_kv_heads * plan.splits, "attn": plan.num_heads, "act": plan.intermediate_size,
             "logits": plan.vocab_size, "lm_part": plan.vocab_size, "next_tokens": 1,
             "sumsq": plan.norm_producers(key[1]) if key[0] == "sumsq" else 0}[key[0]]
