@@ -33,7 +33,7 @@ ATOL = 1e-4
 ORIG = 16
 
 
-def phi_config(partial: float, tied: bool, longrope: bool = True) -> transformers.Phi3Config:
+def phi_config(partial: float, tied: bool, longrope: bool = True, window: int | None = None) -> transformers.Phi3Config:
     rd = int(16 * partial)
     g = torch.Generator().manual_seed(1)
     rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial,
@@ -44,11 +44,13 @@ def phi_config(partial: float, tied: bool, longrope: bool = True) -> transformer
     return transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    original_max_position_embeddings=ORIG, rope_parameters=rope,
-                                   tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+                                   tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+                                   sliding_window=window)
 
 
-def hf_phi3(partial: float, tied: bool, seed: int = 0, longrope: bool = True) -> torch.nn.Module:
-    config = phi_config(partial, tied, longrope)
+def hf_phi3(partial: float, tied: bool, seed: int = 0, longrope: bool = True,
+            window: int | None = None) -> torch.nn.Module:
+    config = phi_config(partial, tied, longrope, window)
     config._attn_implementation = "eager"
     model = transformers.Phi3ForCausalLM(config).to(torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
@@ -86,6 +88,7 @@ def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuanti
     w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_vocab_size(c.vocab_size)
+    w.add_sliding_window(c.sliding_window or 0)   # as the converter: 0 when the config has none
     if rope["rope_type"] == "longrope":
         scale = c.max_position_embeddings / ORIG
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIG)))
@@ -292,3 +295,30 @@ def test_transformers_v4_configs():
                                   partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None,
                                   rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[2.0] * 48)))
     assert c4.head_dim == 128 and c4.rotary_dim == 96 and c4.layer_types is None and c4.tie_word_embeddings
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_a_sliding_window_masks_every_layer(tmp_path, fmt):
+    """Phi-3-mini-4k's sliding_window (2047 there, 5 here) limits every layer's attention, as transformers
+    computes it; the step is then eager-only."""
+    hf = hf_phi3(1.0, False, seed=8, longrope=False, window=5)
+    if fmt == "hf":
+        hf.save_pretrained(tmp_path, safe_serialization=True)
+        cfg, weights = load_hf(tmp_path)
+    else:
+        write_gguf(hf, tmp_path / "w.gguf", {"attn_qkv": gguf.GGMLQuantizationType.Q8_0})
+        cfg, weights, _ = load_gguf(tmp_path / "w.gguf")
+    m = build_model(cfg, weights)
+    assert cfg.layer_types == ("sliding",) * 3 and cfg.sliding_window == 5 and isinstance(m, EagerDecoderModel)
+    toks = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()
+        full = hf_phi3(1.0, False, seed=8, longrope=False)
+        full.load_state_dict(hf.state_dict())
+        unwindowed = full(torch.tensor([toks])).logits[0].float()
+    assert (ref[6:] - unwindowed[6:]).abs().max() > 1e-2          # the window matters here
+    kv = m.new_kv_cache(num_blocks=8, block_size=4)
+    seq = SequenceKV(kv)
+    torch.testing.assert_close(run(m, kv, seq, 0, toks[:8], all_rows=True), ref[:8], atol=ATOL, rtol=0)
+    for p in range(8, 14):
+        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
