@@ -71,10 +71,11 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     def eager_only(self) -> str | None:
-        """The features of this model that only the eager step computes (None: a plain Llama-family
-        step: Llama, Mistral, Qwen2/3, SmolLM2, Phi-3 without LongRoPE or partial rotary). The
-        native, graph and megakernel runtimes and tensor parallelism must refuse a model for which
-        this is not None."""
+        """The model and its features beyond a plain Llama-family step (None: Llama, Mistral, Qwen2/3,
+        SmolLM2, Phi-3 without LongRoPE, partial rotary or a window), e.g. "Gemma 2 (logit
+        soft-capping, ...)". The eager step computes them all; `models.build_model` gives such a
+        config an `EagerDecoderModel` (Gemma 3, which the native step also computes, a `LlamaModel`),
+        and tensor parallelism refuses it."""
         feats = []
         if self.num_experts:
             feats.append("mixture-of-experts layers")
@@ -98,7 +99,7 @@ class ModelConfig:
         if not feats:
             return None
         name = FAMILY_NAMES.get(self.architecture, self.architecture)
-        return f"{name} needs the eager runtime ({', '.join(feats)})"
+        return f"{name} ({', '.join(feats)})"
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":

@@ -107,8 +107,8 @@ def _shard_llama(model: Any, world: int, rank: int) -> tuple[Any, VocabShard, Vo
     # (Gemma 2/3, Phi-3 with LongRoPE or partial rotary, MoE layers)
     why = c.eager_only() if hasattr(c, "eager_only") else None
     if why is not None or not isinstance(model, LlamaModel):
-        raise SlipstreamError(f"tensor parallelism does not cover this model yet: "
-                              f"{why or type(model).__name__}; run it with --tensor-parallel 1")
+        raise SlipstreamError(f"tensor parallelism does not cover {why or type(model).__name__} yet; "
+                              "run it with --tensor-parallel 1")
     H, KVH, D, Fd = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     h0, h1 = _span(H, world, rank, "attention heads")
     k0, k1 = _span(KVH, world, rank, "KV heads")
