@@ -342,9 +342,202 @@ AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *
     }
 }
 
+#if defined(SS_AVX2)
+// the 32 signed codes of a 32-weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), in a register
+AI __m256i qt_codes32(const int t, const uint8_t *p) {
+    switch (t) {
+    case QT_Q4_0: return _mm256_sub_epi8(qt_nibbles(p + 2), _mm256_set1_epi8(8));
+    case QT_Q4_1: return qt_nibbles(p + 4);
+    case QT_IQ4_NL:
+        return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)),
+                                   qt_nibbles(p + 2));
+    case QT_Q5_0: case QT_Q5_1: {
+        const int off = t == QT_Q5_1 ? 2 : 0;
+        uint32_t qh;
+        memcpy(&qh, p + 2 + off, 4);
+        const __m256i v = _mm256_or_si256(qt_nibbles(p + 6 + off), _mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(16)));
+        return t == QT_Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+    }
+    default: return _mm256_loadu_si256((const __m256i *)(p + 2));   // Q8_0
+    }
+}
+
+// fp16 fields at p, p + stride, p + 2 stride, p + 3 stride as four floats
+AI __m128 qt_f16x4(const uint8_t *p, int stride) {
+    uint16_t h[4];
+    for (int j = 0; j < 4; j++) memcpy(&h[j], p + j * stride, 2);
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+}
+
+// Types with 32-weight blocks: each block decoded into a register and multiplied straight away (no
+// pass through memory), four blocks per reduction as q8q8_row, the minimum's term from the
+// activation's group sums.
+AI void qt_q8_row_fused32(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd,
+                          const float *xs, int nb, float *out) {
+    const int BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t);
+    __m128 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps();
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const uint8_t *p = w + (int64_t)g * BB;
+        __m256i ws[4], wa[4];
+        for (int j = 0; j < 4; j++) {
+            ws[j] = qt_codes32(t, p + j * BB);
+            wa[j] = _mm256_sign_epi8(ws[j], ws[j]);
+        }
+        const __m128 d4 = qt_f16x4(p, BB);
+        const __m128 m4 = mins ? qt_f16x4(p + 2, BB) : _mm_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i pr[4];
+            for (int j = 0; j < 4; j++)
+                pr[j] = ss_dot_u8s8(wa[j], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), ws[j]));
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(d4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(ss_sum4(pr)), acc[b]);
+            if (mins) accm[b] = _mm_fmadd_ps(m4, _mm_loadu_ps(xs + (int64_t)b * G + g), accm[b]);
+        }
+    }
+    float tail[MAX_ROWS] = {0};
+    for (; g < G; g++) {
+        const uint8_t *p = w + (int64_t)g * BB;
+        const __m256i ws = qt_codes32(t, p), wa = _mm256_sign_epi8(ws, ws);
+        const float d = qt_f16(p), mn = mins ? qt_f16(p + 2) : 0.f;
+        for (int b = 0; b < nb; b++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+            const int dot = _mm_cvtsi128_si32(ss_sum4((const __m256i[4]){ss_dot_u8s8(wa, _mm256_sign_epi8(av, ws)),
+                                                       _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()}));
+            tail[b] += d * xd[(int64_t)b * G + g] * (float)dot + mn * xs[(int64_t)b * G + g];
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum128(accm[b]) + tail[b];
+}
+
+// 256-weight blocks with a scale (and minimum) per 32 weights (Q4_K, Q5_K, IQ4_XS): a block's eight
+// groups decoded into registers, two reductions of four groups each
+AI void qt_q8_row_fused256(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd,
+                           const float *xs, int nb, float *out) {
+    const int BB = qt_bytes(t), G = K / 32, mins = t != QT_IQ4_XS, sgn = t == QT_IQ4_XS;
+    __m128 acc[MAX_ROWS], accm[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int blk = 0; blk < K / 256; blk++) {
+        const uint8_t *p = w + (int64_t)blk * BB;
+        __m256i q[8];
+        __m256 scv, mnv;   // the eight groups' scales and minimums (in registers: no store-to-load stalls)
+        if (t == QT_IQ4_XS) {
+            const float d = qt_f16(p);
+            const int sh = p[2] | (p[3] << 8);
+            const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+            int ls[8];
+            for (int g = 0; g < 8; g++) {
+                ls[g] = ((((p[4 + (g >> 1)] >> (4 * (g & 1))) & 15) | (((sh >> (2 * g)) & 3) << 4)) - 32);
+                q[g] = _mm256_shuffle_epi8(kv, qt_nibbles(p + 8 + 16 * g));
+            }
+            scv = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+                _mm256_setr_epi32(ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7])));
+            mnv = _mm256_setzero_ps();
+        } else {
+            const float d = qt_f16(p), dmin = qt_f16(p + 2);
+            // qt_k_scales with 32-bit words: bytes 0-7 the scales, 8-15 the minimums
+            uint32_t u[3];
+            memcpy(u, p + 4, 12);
+            const uint32_t m6 = 0x3f3f3f3f, m4b = 0x0f0f0f0f, m2 = 0x03030303;
+            const __m128i sm = _mm_setr_epi32((int)(u[0] & m6), (int)((u[2] & m4b) | (((u[0] >> 6) & m2) << 4)),
+                                              (int)(u[1] & m6), (int)(((u[2] >> 4) & m4b) | (((u[1] >> 6) & m2) << 4)));
+            scv = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+            mnv = _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+            const uint8_t *qs = p + (t == QT_Q5_K ? 48 : 16);
+            const __m256i hv = t == QT_Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                q[2 * c] = _mm256_and_si256(v, m4);
+                q[2 * c + 1] = qt_field(v, 4, 15);
+                if (t == QT_Q5_K) {
+                    q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(qt_field(hv, 2 * c, 1), 4));
+                    q[2 * c + 1] = _mm256_or_si256(q[2 * c + 1], _mm256_slli_epi16(qt_field(hv, 2 * c + 1, 1), 4));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const int g0 = blk * 8 + 4 * h;
+            const __m128 d4 = h ? _mm256_extractf128_ps(scv, 1) : _mm256_castps256_ps128(scv);
+            const __m128 m4f = h ? _mm256_extractf128_ps(mnv, 1) : _mm256_castps256_ps128(mnv);
+            __m256i wa[4];
+            for (int j = 0; j < 4; j++) wa[j] = sgn ? _mm256_sign_epi8(q[4 * h + j], q[4 * h + j]) : q[4 * h + j];
+            for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + g0 * 32;
+                __m256i pr[4];
+                for (int j = 0; j < 4; j++) {
+                    __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+                    if (sgn) av = _mm256_sign_epi8(av, q[4 * h + j]);
+                    pr[j] = ss_dot_u8s8(wa[j], av);
+                }
+                acc[b] = _mm_fmadd_ps(_mm_mul_ps(d4, _mm_loadu_ps(xd + (int64_t)b * G + g0)), _mm_cvtepi32_ps(ss_sum4(pr)), acc[b]);
+                if (mins) accm[b] = _mm_fmadd_ps(m4f, _mm_loadu_ps(xs + (int64_t)b * G + g0), accm[b]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum128(accm[b]);
+}
+
+// Q6_K: a block's eight 32-weight groups decoded into registers; each group's two 16-weight scales
+// multiply inside the integer reduction (madd by the scales instead of by ones), four groups per
+// float reduction with the activation's per-32 scales
+AI void qt_q8_row_q6k(const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb, float *out) {
+    const int BB = qt_bytes(QT_Q6_K), G = K / 32;
+    __m128 acc[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), k32 = _mm256_set1_epi8(32);
+    for (int blk = 0; blk < K / 256; blk++) {
+        const uint8_t *p = w + (int64_t)blk * BB, *ql = p, *qh = p + 128;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        const __m128 d4 = _mm_set1_ps(qt_f16(p + 208));
+        for (int h = 0; h < 2; h++) {   // groups 4h..4h+3 of the block
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i bq = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i q[4], qa[4], s16[4];
+            q[0] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(qt_field(c, 0, 3), 4)), k32);
+            q[1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_slli_epi16(qt_field(c, 2, 3), 4)), k32);
+            q[2] = _mm256_sub_epi8(_mm256_or_si256(qt_field(a, 4, 15), _mm256_slli_epi16(qt_field(c, 4, 3), 4)), k32);
+            q[3] = _mm256_sub_epi8(_mm256_or_si256(qt_field(bq, 4, 15), _mm256_slli_epi16(qt_field(c, 6, 3), 4)), k32);
+            for (int j = 0; j < 4; j++) {
+                const int g = 4 * h + j;
+                qa[j] = _mm256_sign_epi8(q[j], q[j]);
+                s16[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+            }
+            const int g0 = blk * 8 + 4 * h;
+            for (int b = 0; b < nb; b++) {
+                const int8_t *x = xq + (int64_t)b * K + g0 * 32;
+                __m256i pr[4];
+                for (int j = 0; j < 4; j++) {
+                    const __m256i av = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x + 32 * j)), q[j]);
+                    pr[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(qa[j], av), s16[j]);
+                }
+                acc[b] = _mm_fmadd_ps(_mm_mul_ps(d4, _mm_loadu_ps(xd + (int64_t)b * G + g0)), _mm_cvtepi32_ps(ss_sum4(pr)), acc[b]);
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]);
+}
+#endif
+
 AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
                     int nb, float *out) {
     const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
+#if defined(SS_AVX2)
+    if (QK == 32) {
+        qt_q8_row_fused32(t, w, K, xq, xd, xs, nb, out);
+        return;
+    }
+    if (t == QT_Q6_K) {
+        qt_q8_row_q6k(w, K, xq, xd, nb, out);
+        return;
+    }
+    if (t == QT_Q4_K || t == QT_Q5_K || t == QT_IQ4_XS) {
+        qt_q8_row_fused256(t, w, K, xq, xd, xs, nb, out);
+        return;
+    }
+#endif
     if (qt_per32(t)) {
         int8_t *q = alloca((size_t)K);
         float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
