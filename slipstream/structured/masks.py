@@ -26,19 +26,11 @@ def words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-PARALLEL = False
-
-
 def fill_masks(matchers: Sequence[Any], vocab: int) -> torch.Tensor:
     """An int32 [len(matchers), words(vocab)] bitmask; rows of None matchers allow everything."""
     out = np.full((len(matchers), words(vocab)), -1, dtype=np.int32)
-    live = [(i, m) for i, m in enumerate(matchers) if m is not None]
-    if PARALLEL and len(live) > 1:
-        from slipstream.structured.grammar import fill_many
-
-        fill_many(out, live)
-    else:
-        for i, m in live:
+    for i, m in enumerate(matchers):
+        if m is not None:
             m.fill(out[i])
     return torch.from_numpy(out)
 

@@ -275,3 +275,39 @@ def test_constrained_logits_samples_what_the_full_masks_sample(tok):
                                   [torch.Generator().manual_seed(1) for _ in range(5)]) for x in (got, want)]
                 assert outs[0].token_ids == outs[1].token_ids
     assert skipped > 0   # the quick path was taken
+
+
+def test_matchers_of_one_grammar_are_compiled_once_and_independent(tok, monkeypatch):
+    """The second request under a constraint neither checks nor compiles its grammar again (a copy of the
+    first matcher at the start), and the copies move on their own."""
+    import llguidance
+
+    from slipstream.structured.grammar import Matcher, compile_constraint
+
+    c = Constraint.json_schema({"type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"],
+                                "additionalProperties": False})
+    grammar = compile_constraint(tok, c)
+    first = Matcher(grammar, tok)
+    for t in tok.encode('{"q":1', add_special_tokens=False):
+        assert first.accept(t)
+
+    class Refused:
+        def __init__(self, *a, **k):
+            raise AssertionError("compiled again")
+
+        @staticmethod
+        def validate_grammar(*a, **k):
+            raise AssertionError("checked again")
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Refused)
+    assert compile_constraint(tok, c) == grammar
+    second = Matcher(grammar, tok)
+    assert _allowed(tok, second) != _allowed(tok, first)
+    answer = tok.encode('{"q":23}', add_special_tokens=False)
+    assert second.valid_prefix(answer) == len(answer)
+    for t in answer:
+        assert second.accept(t)
+    assert second.finished and not first.finished
+    monkeypatch.undo()
+    with pytest.raises(ConstraintError):   # refusals are not remembered as grammars
+        compile_constraint(tok, Constraint.json_schema({"type": "strin"}))
