@@ -73,9 +73,8 @@ class ModelConfig:
     def eager_only(self) -> str | None:
         """The model and its features beyond a plain Llama-family step (None: Llama, Mistral, Qwen2/3,
         SmolLM2, Phi-3 without LongRoPE, partial rotary or a window), e.g. "Gemma 2 (logit
-        soft-capping, ...)". The eager step computes them all; `models.build_model` gives such a
-        config an `EagerDecoderModel` (Gemma 3, which the native step also computes, a `LlamaModel`),
-        and tensor parallelism refuses it."""
+        soft-capping, ...)". The eager and native CPU steps compute them all; the GPU runtimes
+        and tensor parallelism refuse a model that has any."""
         feats = []
         if self.num_experts:
             feats.append("mixture-of-experts layers")

@@ -11,9 +11,8 @@
     to(device, dtype)                         placement: move the weights (a separate step from
                                               choosing a runtime; see runtime/registry.py)
 
-Implemented by `models.llama.LlamaModel` (what the fast runtimes run), `models.llama.EagerDecoderModel`
-(Llama-family configs with features only the eager step computes: Gemma 2, Phi-3 with LongRoPE or
-partial rotary), `models.qwen_moe.QwenMoeModel` (Qwen2/3-MoE) and `models.deepseek.DeepseekModel`;
+Implemented by `models.llama.LlamaModel` (the dense Llama family, Gemma 2/3 and Phi-3 included),
+`models.qwen_moe.QwenMoeModel` (Qwen2/3-MoE) and `models.deepseek.DeepseekModel`;
 `models.build_model` picks the class for a loaded config.
 """
 from __future__ import annotations

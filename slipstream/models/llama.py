@@ -7,9 +7,9 @@ projections, MLP) runs on the whole batch; attention runs per sequence against i
 Weights are `Linear`s, packed or dense, with Q/K/V and gate/up fused into one product each.
 
 `DecoderModel` is the step with every feature of the family (Gemma's soft-capping, post-norms, GeGLU,
-scaled embedding and sliding windows; Phi-3's LongRoPE and partial rotary); `LlamaModel` is the class
-the fast runtimes accept (plain configs, and Gemma 3, which the registry refuses by name);
-`EagerDecoderModel` the one they refuse; `models.qwen_moe.QwenMoeModel` replaces the MLP with experts.
+scaled embedding and sliding windows; Phi-3's LongRoPE and partial rotary); `LlamaModel` is the dense
+family (each runtime refuses the features it does not compute: `runtime.registry.unsupported`);
+`models.qwen_moe.QwenMoeModel` replaces the MLP with experts.
 """
 from __future__ import annotations
 
@@ -284,17 +284,10 @@ class DecoderModel:
 
 
 class LlamaModel(DecoderModel):
-    """Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3 without LongRoPE or partial rotary, and Gemma 3
-    (which the runtime registry refuses by name): the models the fast runtimes (native, graph,
-    megakernel) and tensor parallelism accept."""
+    """Llama 2/3, Mistral, Qwen2/3, SmolLM2, Phi-3/3.5/4-mini, Gemma 2/3: the dense Llama family. The
+    native CPU step computes every feature of it; the GPU runtimes and tensor parallelism refuse the
+    ones a plain Llama step lacks (`cfg.eager_only()` names them)."""
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
         super().to(device, dtype)
         return self
-
-
-class EagerDecoderModel(DecoderModel):
-    """A Llama-family model whose config has features only the eager step computes (Gemma 2, Phi-3
-    with LongRoPE or partial rotary, any sliding window: `cfg.eager_only()` names them). Not a
-    `LlamaModel`, so the fast runtimes, which accept only that class, refuse it instead of computing
-    it wrongly; `models.build_model` picks it."""

@@ -49,22 +49,18 @@ def default_threads() -> int:
 
 
 def _unhandled(c: Any) -> str | None:
-    """A feature of config `c` this step does not compute (None: it computes them all). Gemma 3's
-    (GELU GLU, post-norms, scaled embedding, sliding-window layers with their own RoPE base, a query
-    scale) it does."""
+    """A feature of config `c` this step does not compute (None: it computes them all). It computes
+    Gemma 2/3's (GELU GLU, post-norms, scaled embedding, sliding-window layers with their own RoPE
+    base, a query scale, soft-capping) and Phi-3's (LongRoPE, partial rotary)."""
     if getattr(c, "num_experts", None):
         return "mixture-of-experts layers"
-    if getattr(c, "attn_softcap", None) or getattr(c, "final_softcap", None):
-        return "logit soft-capping"
     if c.hidden_act not in ("silu", "gelu_tanh"):
         return f"a {c.hidden_act} GLU"
-    if getattr(c, "rotary_dim", None) not in (None, c.head_dim):
-        return "partial rotary embeddings"
+    if c.rope_dim % 2:
+        return "an odd number of rotary dimensions"
     kind = (c.rope_scaling or {}).get("rope_type", (c.rope_scaling or {}).get("type"))
-    if kind not in (None, "default", "linear", "llama3"):
+    if kind not in (None, "default", "linear", "llama3", "longrope"):
         return f"{kind} RoPE scaling"
-    if c.sliding_window and not (c.layer_types and "sliding" in c.layer_types):
-        return "a sliding window on every layer"
     return None
 
 
@@ -138,7 +134,8 @@ class CpuTeamDecoder:
         self._model = SSModel(c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                               c.intermediate_size, c.vocab_size, act, c.rms_norm_eps, scale,
                               self._layers, model.embed.ss_mat(), lm.ss_mat(), model.norm.data_ptr(),
-                              float(c.embed_scale or 0.0), 0)
+                              float(c.embed_scale or 0.0), c.rope_dim, float(c.attn_softcap or 0.0),
+                              float(c.final_softcap or 0.0), 0)
         self._bufs: _Buffers | None = None
         # task tables by (rows, output rows, argmax), validated once each; the most recent kept
         self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
@@ -230,8 +227,13 @@ class CpuTeamDecoder:
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
         pos = step.positions.to(torch.float32)[:, None]
-        freqs = pos * m.inv_freq[None, :]
-        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        if m.longrope is not None:   # Phi-3: each sequence's factors (short or long), scaled; first halves
+            cos_t, sin_t = m.longrope.tables(step)
+            half = cos_t.shape[-1] // 2
+            cos, sin = cos_t[:, 0, :half].contiguous(), sin_t[:, 0, :half].contiguous()
+        else:
+            freqs = pos * m.inv_freq[None, :]
+            cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
         cos_l = sin_l = None
         if m.inv_freq_local is not None:   # Gemma 3's sliding layers rotate with their own base
             freqs_l = pos * m.inv_freq_local[None, :]

@@ -108,9 +108,9 @@ def unsupported(name: str, model: Any) -> str | None:
     """Why runtime `name` cannot run `model` on this machine (None: it can)."""
     spec = REGISTRY[name]
     cfg = getattr(model, "cfg", None)
-    if name not in ("eager", "native") and getattr(cfg, "architecture", None) == "gemma3":
-        return (f"the {name} runtime does not run Gemma 3 yet (GeGLU, norms after attention and MLP, "
-                "sliding-window layers); the eager and native runtimes do")
+    extras = cfg.eager_only() if spec.gpu and hasattr(cfg, "eager_only") else None
+    if extras is not None:   # the GPU steps compute a plain Llama-family step only
+        return f"the {name} runtime does not compute {extras}; the eager runtime does"
     try:
         why = decoder_class(name).unsupported(model)
     except SlipstreamError as e:

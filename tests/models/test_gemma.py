@@ -168,7 +168,7 @@ def test_native_step_matches_transformers(pair, exact):
     """The native CPU step (runtime/cpu_team.py) on Gemma 3: GELU GLU, post-norms through their own tasks,
     the scaled embedding, sliding-window layers with the local RoPE base; prompt chunks past the window
     as rows of the step, then decode rows. Exact path within float32 noise of transformers; the fast
-    path (int8 activations) close, with the same greedy tokens."""
+    path (int8 activations) close, choosing the same tokens up to near ties."""
     from slipstream.kernels.cpu import load_library
     if load_library() is None:
         pytest.skip("native CPU kernels unavailable")
@@ -195,4 +195,8 @@ def test_native_step_matches_transformers(pair, exact):
         got.append(team.forward(b.build()))
     out = torch.cat(got)
     torch.testing.assert_close(out, ref, atol=atol, rtol=0)
-    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    if exact:
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    else:   # int8 activations may flip a near tie of this random model, never pick a clearly worse token
+        chosen = ref.gather(1, out.argmax(-1, keepdim=True))[:, 0]
+        assert (chosen >= ref.max(-1).values - 0.1).all()

@@ -32,7 +32,7 @@ class SSModel(ctypes.Structure):
     _fields_ = [("n_layers", _I), ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I),
                 ("ffn", _I), ("vocab", _I), ("act", _I), ("eps", _F), ("attn_scale", _F),
                 ("layers", ctypes.POINTER(SSLayer)), ("embed", SSMat), ("lm_head", SSMat), ("norm", _P),
-                ("embed_scale", _F), ("pad", _I)]
+                ("embed_scale", _F), ("rotary", _I), ("attn_softcap", _F), ("final_softcap", _F), ("pad", _I)]
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1

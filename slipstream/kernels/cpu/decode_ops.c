@@ -42,7 +42,7 @@ void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, con
         float *p = (float *)malloc(sizeof(float) * (n > 0 ? n : 1));
         for (int h = 0; h < H; h++)
             ss_attend(q + (int64_t)s * q_stride + h * D, kcache, vcache, KVH, h / (H / KVH), D, slots + starts[s],
-                      n, scale, p, out + (int64_t)s * H * D + h * D);
+                      n, scale, 0.f, p, out + (int64_t)s * H * D + h * D);
         free(p);
     }
 }

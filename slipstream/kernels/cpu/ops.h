@@ -12,7 +12,8 @@ static inline void ss_rmsnorm_row(const float *x, const float *w, int n, float e
     for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
 }
 
-// rotary embedding of one head in place, with halves (HF's rotate_half); cs/sn: [d/2]
+// rotary embedding of a head's first d dims in place, with halves (HF's rotate_half); cs/sn: [d/2]
+// (d < the head size: partial rotary, the other dims pass through)
 static inline void ss_rope_head(float *v, const float *cs, const float *sn, int d) {
     const int h = d / 2;
     for (int i = 0; i < h; i++) {
@@ -23,12 +24,14 @@ static inline void ss_rope_head(float *v, const float *cs, const float *sn, int 
 }
 
 // One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh):
-// out[D] = softmax(q . k * scale) . v; p: scratch of n floats
+// out[D] = softmax(s) . v with s = q . k * scale, or cap * tanh(s / cap) when cap > 0 (Gemma 2's
+// soft-capping); p: scratch of n floats
 static inline void ss_attend(const float *q, const float *kcache, const float *vcache, int KVH, int kvh, int D,
-                             const int64_t *slots, int64_t n, float scale, float *p, float *out) {
+                             const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         p[j] = ss_dot(q, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
+        if (cap > 0.f) p[j] = cap * tanhf(p[j] / cap);
         if (p[j] > mx) mx = p[j];
     }
     const float sum = ss_exp_shift(p, n, mx);

@@ -59,6 +59,8 @@ typedef struct {
     SSMat embed, lm_head;
     const float *norm;
     float embed_scale;        // the embedding is multiplied by it (Gemma: sqrt(hidden)); 0: not scaled
+    int32_t rotary;           // dims of each head that rotate (the leading ones; Phi-3's partial rotary)
+    float attn_softcap, final_softcap;   // Gemma 2: cap * tanh(x / cap) of attention scores, of logits (0: none)
     int32_t pad;
 } SSModel;
 
@@ -78,7 +80,7 @@ typedef struct {
     const int64_t *write_slots;  // [rows]
     const int64_t *read_slots;   // every row's context slots, concatenated
     const int64_t *starts;       // [rows + 1] into read_slots
-    const float *cos, *sin;      // [rows][D/2]
+    const float *cos, *sin;      // [rows][rotary / 2]
     float *x;                    // [rows][hidden] residual stream
     SSAct h;                     // [rows][hidden] normalised
     float *qkv;                  // [rows][(H + 2 KVH) D]
@@ -88,7 +90,7 @@ typedef struct {
     int64_t *next_tokens;        // [n_out] greedy tokens (OP_ARGMAX)
     int32_t n_out, pad2;         // rows whose logits are wanted (final norm, LM head, argmax)
     const int64_t *out_rows;     // [n_out] which rows, in output order
-    const float *cos_local, *sin_local;   // [rows][D/2] the sliding layers' RoPE tables (NULL: none)
+    const float *cos_local, *sin_local;   // [rows][rotary / 2] the sliding layers' RoPE tables (NULL: none)
     float *tmp;                  // [rows][hidden] O and DOWN outputs before their post-norms (Gemma)
 } SSStep;
 
@@ -259,7 +261,7 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
     for (int h = kvh * group; h < (kvh + 1) * group; h++) {
         const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h * D;
         float *o = s->attn.f + (int64_t)b * H * D + h * D;
-        ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, tl_scores, o);
+        ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, m->attn_softcap, tl_scores, o);
     }
     if (D % 32 == 0) prepare(&s->attn, b, H * D, kvh * group * D, (kvh + 1) * group * D, exact);
 }
@@ -289,17 +291,17 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         mat_rows(&L->qkv, t->t0 * D, t->t1 * D, B, &s->h, s->qkv, row, 0, exact);
         const int local = L->rope_local && s->cos_local;
         for (int b = 0; b < B; b++) {
-            const float *cs = (local ? s->cos_local : s->cos) + (int64_t)b * (D / 2);
-            const float *sn = (local ? s->sin_local : s->sin) + (int64_t)b * (D / 2);
+            const float *cs = (local ? s->cos_local : s->cos) + (int64_t)b * (m->rotary / 2);
+            const float *sn = (local ? s->sin_local : s->sin) + (int64_t)b * (m->rotary / 2);
             const int64_t slot = s->write_slots[b];
             for (int hd = t->t0; hd < t->t1; hd++) {
                 float *v = s->qkv + (int64_t)b * row + hd * D;
                 if (hd < H) {
                     if (L->q_norm) ss_rmsnorm_row(v, L->q_norm, D, m->eps, v);
-                    ss_rope_head(v, cs, sn, D);
+                    ss_rope_head(v, cs, sn, m->rotary);
                 } else if (hd < H + KVH) {
                     if (L->k_norm) ss_rmsnorm_row(v, L->k_norm, D, m->eps, v);
-                    ss_rope_head(v, cs, sn, D);
+                    ss_rope_head(v, cs, sn, m->rotary);
                     if (slot >= 0) memcpy(L->kcache + (slot * KVH + hd - H) * D, v, sizeof(float) * D);
                 } else if (slot >= 0) {
                     memcpy(L->vcache + (slot * KVH + hd - H - KVH) * D, v, sizeof(float) * D);
@@ -347,6 +349,12 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         break;
     case OP_LM_HEAD:
         mat_rows(&m->lm_head, t->t0, t->t1, s->n_out, &s->h, s->logits, m->vocab, 0, exact);
+        if (m->final_softcap > 0.f)
+            for (int b = 0; b < s->n_out; b++)
+                for (int i = t->t0; i < t->t1; i++) {
+                    float *l = s->logits + (int64_t)b * m->vocab + i;
+                    *l = m->final_softcap * tanhf(*l / m->final_softcap);
+                }
         break;
     case OP_ARGMAX: {
         const float *l = s->logits + (int64_t)t->t0 * m->vocab;
