@@ -246,14 +246,28 @@ class Engine:
         plan = self.scheduler.schedule()
         for r in plan.out_of_kv:   # a lone sequence has filled the whole cache
             events += self.output.finish(r, "length", time.perf_counter())
-        if plan.decode:
-            events += self._decode(plan.decode)
-        for batch in self.executor.prefill_batches(plan.prefill):
-            done, logits = self.executor.prefill(batch)
-            if done:   # requests whose prompt is complete: their first token
-                events += self._sample(done, logits)
+        if self.proposer is None and self.executor.can_merge(plan.decode, plan.prefill):
+            events += self._decode_and_prefill(plan.decode, plan.prefill)
+        else:
+            if plan.decode:
+                events += self._decode(plan.decode)
+            for batch in self.executor.prefill_batches(plan.prefill):
+                done, logits = self.executor.prefill(batch)
+                if done:   # requests whose prompt is complete: their first token
+                    events += self._sample(done, logits)
         for r in [r for r in self.scheduler.running if r.finished]:
             self._retire(r)
+        return events
+
+    def _decode_and_prefill(self, batch: list[Request], chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
+        """Decode rows and prompt chunks in one runtime step (the weights read once for both)."""
+        constrained = [r.matcher for r in batch]
+        masker = MaskJob if self._masks_while_stepping else MaskNow
+        job = masker(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
+        logits, done, done_logits = self.executor.decode_and_prefill(batch, chunks)
+        events = self._sample(batch, logits, job.result() if job is not None else None)
+        if done:
+            events += self._sample(done, done_logits)
         return events
 
     def _decode(self, batch: list[Request]) -> list[StepEvent]:

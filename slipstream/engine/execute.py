@@ -73,6 +73,36 @@ class StepExecutor:
             self.commit_blocks(r)
         return logits
 
+    # -- decode and prompt chunks in one step ---------------------------------------------------
+    def can_merge(self, batch: list[Request], chunks: list[Chunk]) -> bool:
+        """Whether the decode rows and the prompt chunks fit one step of the runtime's own (its prefill
+        capacity): then the weights are read once for both, and a burst of prompts costs the running
+        streams only the chunks' extra rows."""
+        return (not self.needs_hidden and bool(batch) and bool(chunks)
+                and len(batch) + sum(e - s for _, s, e in chunks) <= prefill_capacity(self.runtime))
+
+    def decode_and_prefill(self, batch: list[Request], chunks: list[Chunk]
+                           ) -> tuple[torch.Tensor, list[Request], torch.Tensor]:
+        """One runtime step over `batch`'s decode rows and the prompt chunks: the decode rows' logits,
+        the requests whose prompt is now complete, and the logits of their last positions."""
+        b = StepBuilder()
+        for r in batch:
+            b.add(r.seq, [r.output_ids[-1]], r.num_tokens - 1)
+        done = []
+        for r, start, end in chunks:
+            last = end == r.prefill_target and not r.output_ids
+            b.add(r.seq, r.all_token_ids[start:end], start, logits="last" if last else "none")
+            if last:
+                done.append(r)
+        logits = self.runtime.forward(b.build())
+        for r in batch:
+            r.kv.num_tokens += 1
+            self.commit_blocks(r)
+        for r, _, end in chunks:
+            r.kv.num_tokens = end
+            self.commit_blocks(r)
+        return logits[:len(batch)], done, logits[len(batch):]
+
     # -- speculative verification ---------------------------------------------------------------
     def verify(self, batch: list[Request], drafts: list[list[int]]) -> torch.Tensor:
         """One target step over each request's last token and its guesses: logits of every row."""

@@ -1,0 +1,63 @@
+"""Decode rows and prompt chunks in one step of the native runtime (engine.step's merged path): the
+weights are read once for both, the running streams keep getting a token every step, and no request's
+tokens change: the native step computes every row on its own (row-invariant), so a prompt gives the
+same tokens whether its chunks ran beside decode rows or alone, on the exact and the fast path."""
+import pytest
+from support import engine
+from test_engine import PROMPTS, SYSTEM, assert_idle, drain, greedy, ids
+
+from slipstream.engine.request import Request
+
+
+def _alone(llm, prompt_ids, params, exact):
+    e = engine(llm, enable_prefix_cache=False, exact=exact)
+    r = Request(list(prompt_ids), params)
+    e.add_request(r)
+    drain(e, [r])
+    return r.output_ids
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_prompt_chunks_ride_along_with_the_decode_rows(llm, exact):
+    e = engine(llm, prefill_chunk=512, prefill_budget=8, exact=exact)
+    assert e.runtime.name == "native"
+    merged = []
+    inner = e.executor.decode_and_prefill
+
+    def spy(batch, chunks):
+        merged.append((len(batch), sum(end - start for _, start, end in chunks)))
+        return inner(batch, chunks)
+    e.executor.decode_and_prefill = spy
+    first = Request(ids(llm, PROMPTS[0]), greedy(40, ignore_eos=True))
+    e.add_request(first)
+    e.step()                                              # alone: prefilled, decoding from now on
+    # the fast path's prompt stays within one native prefill step when alone too (<= 64 tokens); the
+    # exact path's goes through the eager BLAS step alone, within float32 noise of the native one
+    text = PROMPTS[2] if not exact else SYSTEM + "Explain undefined behaviour."
+    second_ids = ids(llm, text)
+    second = Request(second_ids, greedy(12, ignore_eos=True))
+    e.add_request(second)
+    while not second.output_ids:                          # until its prompt is complete
+        produced = len(first.output_ids)
+        e.step()
+        assert len(first.output_ids) == produced + 1, "the running stream waited behind the prefill"
+    assert len(merged) >= len(second_ids) // 8 and all(rows == 1 and 0 < toks <= 8 for rows, toks in merged)
+    drain(e, [first, second])
+    assert second.output_ids == _alone(llm, second_ids, greedy(12, ignore_eos=True), exact)
+    assert first.output_ids == _alone(llm, first.prompt_ids, greedy(40, ignore_eos=True), exact)
+    assert_idle(e)
+
+
+def test_speculation_keeps_separate_steps(llm):
+    """With a proposer, decode steps verify guesses (rows of their own): nothing is merged."""
+    e = engine(llm, prefill_chunk=512, prefill_budget=8, speculative="ngram")
+    calls = []
+    e.executor.decode_and_prefill = lambda *a: calls.append(a)
+    a = Request(ids(llm, PROMPTS[5]), greedy(24, ignore_eos=True))
+    e.add_request(a)
+    e.step()
+    b = Request(ids(llm, PROMPTS[2]), greedy(4))
+    e.add_request(b)
+    drain(e, [a, b])
+    assert not calls
+    assert_idle(e)
