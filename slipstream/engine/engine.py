@@ -25,6 +25,7 @@ from slipstream.engine.config import EngineConfig
 from slipstream.engine.execute import StepExecutor
 from slipstream.engine.merging import Merger
 from slipstream.engine.output import OutputProcessor, StepEvent
+from slipstream.engine.prefill_pacer import PrefillPacer
 from slipstream.engine.request import Request
 from slipstream.engine.sampling import Sampler, make_generator
 from slipstream.engine.scheduler import Scheduler
@@ -108,6 +109,10 @@ class Engine:
         self.speculation = Speculation(proposer, self.executor, self.output, self.spec,
                                        config.speculative_max_batch, self.max_model_len, self.vocab_size)
         self.merger = Merger(self.scheduler, config.enable_merging)
+        # prompt tokens per decoding step sized from measured step times (EngineConfig.prefill_pacing)
+        pacing = getattr(config, "prefill_pacing", None)
+        self.pacer = None if pacing is None else PrefillPacer(
+            factor=pacing, initial=config.prefill_budget or 16, ceiling=config.prefill_chunk)
         self.requests: dict[str, Request] = {}     # in flight, followers included
         self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
 
@@ -243,6 +248,9 @@ class Engine:
     def step(self) -> list[StepEvent]:
         """Run one scheduler step; returns the events of every request that produced something."""
         events, self._pending = self._pending, []
+        started = time.perf_counter()
+        if self.pacer is not None:
+            self.scheduler.prefill_budget = self.pacer.budget()
         plan = self.scheduler.schedule()
         for r in plan.out_of_kv:   # a lone sequence has filled the whole cache
             events += self.output.finish(r, "length", time.perf_counter())
@@ -257,6 +265,9 @@ class Engine:
                     events += self._sample(done, logits)
         for r in [r for r in self.scheduler.running if r.finished]:
             self._retire(r)
+        if self.pacer is not None:
+            self.pacer.observe(bool(plan.decode), sum(e - s for _, s, e in plan.prefill),
+                               time.perf_counter() - started)
         return events
 
     def _decode_and_prefill(self, batch: list[Request], chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
