@@ -13,7 +13,8 @@ What is read from the compiled code (per kernel, `benchmarks/sass.py`): every lo
 per iteration, barriers, shuffles, global loads and their width, whether the loop's loads are used in
 the iteration that issues them (one chunk in flight) or carried to the next (two in flight); the
 megakernel's registers and spill stack (`cuobjdump -res-usage`). What comes from the plan/launches:
-tasks (opcode, tile, wait and signal events) and bytes per task; programs and grids per launch.
+tasks (opcode, tile, wait and signal events) and bytes per task; programs and grids per launch;
+from the kernel's constants, whether it draws tickets one task ahead (`TICKET_AHEAD`).
 
 The model
 ---------
@@ -21,7 +22,9 @@ A loop iteration takes max(issue, bytes / per-SM bandwidth, (latency + issue) / 
 issue = instructions x warps / 4 schedulers + 30 cycles per barrier. Megakernel: programs take
 tasks in ticket order (the earliest free program gets the next ticket); a task starts when its
 program is free and its wait event has its count (signal + poll latency after the last producer);
-it costs a ticket atomic, the task-row load, one poll, a release signal, then its loops. Each
+it costs a ticket atomic, the task-row load, one poll, a release signal, then its loops (with
+tickets drawn ahead, a program's later tasks wait for their ticket only while its atomic, issued
+when the previous task began, is still in flight). Each
 phase's tasks share HBM bandwidth equally (bandwidth / min(tasks of the phase, SMs)). Graph:
 per launch, the launch cost plus waves of programs (occupancy from registers and shared memory).
 Both are floored at the step's bytes / copy bandwidth. Roofline: the step's weight + KV bytes /
@@ -283,7 +286,11 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     P = HW.sms * programs_per_sm
     ev_count = [0] * plan.num_events
     ev_time = [0.0] * plan.num_events
-    overhead = (2 * HW.atomic_ns + HW.l2_ns) * 1e-9      # ticket, task row, the satisfied poll
+    # per task: the ticket atomic, the task row (an L2 hit), the satisfied poll; a kernel that draws
+    # its next ticket as a task begins (`TICKET_AHEAD`): a program's later tasks wait for that atomic
+    # only while it is still in flight, then pay the row load and the poll
+    ahead = bool(consts.get("TICKET_AHEAD", 0))
+    ticket_ready: dict[int, float] = {}
     signal = HW.atomic_ns * 1e-9
     busy = 0.0
     end = 0.0
@@ -293,7 +300,12 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     heapq.heapify(heap)
     for r in rows:
         t_free, p = heapq.heappop(heap)
-        start = t_free + overhead
+        if ahead and p in ticket_ready:
+            row_at = max(t_free, ticket_ready[p]) + HW.l2_ns * 1e-9
+        else:
+            row_at = t_free + (HW.atomic_ns + HW.l2_ns) * 1e-9
+        ticket_ready[p] = row_at + HW.atomic_ns * 1e-9      # (ahead) the next ticket, issued now
+        start = row_at + HW.atomic_ns * 1e-9                 # the satisfied poll
         in_l2 = False
         if r[4] >= 0:
             ready = ev_time[r[4]] + HW.atomic_ns * 1e-9

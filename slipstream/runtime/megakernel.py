@@ -163,7 +163,10 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
                 BK_QKV=bk(p.head_dim // 2 // t.qkv_parts, Hd, True), BK_O=bk(t.o, HD), BK_GU=bk(t.gate_up, Hd, True),
                 BK_DOWN=bk(t.down, F),
                 BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head, TILE_E=t.embed, TILE_O=t.o, TILE_D=t.down,
-                NT_PAD=max(_pow2(p.norm_tiles), 2))
+                NT_PAD=max(_pow2(p.norm_tiles), 2),
+                # the next ticket drawn as a task begins; at hidden 4096 the one extra live register
+                # takes the kernel's spill stack from 64 to 96 bytes with Triton 3.6 (cuobjdump)
+                TICKET_AHEAD=int(p.hidden_size <= 2048))
 
 
 MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)

@@ -2,7 +2,8 @@
 
 The interpreter runs programs one after another, so the kernel's tests never see two programs
 interleave. Here a step-by-step model of `_megakernel`'s loop (ticket = atomic_add on the queue
-counter minus the epoch's base; acquire-poll the wait event against count x epoch with a spin bound;
+counter minus the epoch's base, the next one drawn as a task begins, before its wait; acquire-poll
+the wait event against count x epoch with a spin bound;
 run; release-signal; the error word: first failure wins, the others drain) is driven by a seeded
 random scheduler: any runnable program may take the next atomic, programs start late, and a task
 may take a random time. Checked on plans from `compile_plan` at real and small shapes: no hang,
@@ -25,8 +26,9 @@ from slipstream.runtime.plan import SIG_EV, WAIT_COUNT, WAIT_EV, TileConfig, Wei
 @dataclass
 class _Program:
     pid: int
-    state: str = "ticket"     # ticket -> wait -> run -> signal -> ticket ... -> done
+    state: str = "ticket"     # ticket -> take -> ahead -> wait -> run -> signal -> take ... -> done
     task: int = -1
+    pending: int = -1         # the ticket drawn ahead (`TICKET_AHEAD`): the program's next task
     spins: int = 0
     work_left: int = 0
     started: int = 0          # the global step at which it starts at all (a late program)
@@ -67,20 +69,27 @@ def run_step(rows: list[list[int]], dev: _Device, epoch: int, programs: int, rng
         if not live:
             continue
         p = rng.choice(live)          # any program may take the next atomic: arbitrary interleaving
-        if p.state == "ticket":
-            i = dev.queue - base
+        if p.state == "ticket":       # the program's first ticket
+            p.pending = dev.queue - base
             dev.queue += 1
+            p.state = "take"
+        elif p.state == "take":
+            i = p.pending
             if i < 0:
                 dev.error = dev.error or -1
                 p.state = "done"
             elif i >= n:
                 p.state = "done"
             else:
-                p.task, p.spins = i, 0
-                p.state = "wait" if rows[i][WAIT_EV] >= 0 else "run"
-                if p.state == "run":
-                    start[i] = clock
-                    p.work_left = rng.randrange(1, 4)
+                p.task, p.spins, p.state = i, 0, "ahead"
+        elif p.state == "ahead":      # the next ticket, drawn before this task waits or runs
+            p.pending = dev.queue - base
+            dev.queue += 1
+            i = p.task
+            p.state = "wait" if rows[i][WAIT_EV] >= 0 else "run"
+            if p.state == "run":
+                start[i] = clock
+                p.work_left = rng.randrange(1, 4)
         elif p.state == "wait":
             r = rows[p.task]
             if dev.events[r[WAIT_EV]] >= r[WAIT_COUNT] * epoch:
@@ -102,7 +111,7 @@ def run_step(rows: list[list[int]], dev: _Device, epoch: int, programs: int, rng
             end[i] = clock
             if i != drop_signal_of:
                 dev.events[rows[i][SIG_EV]] += 1
-            p.state = "ticket"
+            p.state = "take"
     return {"runs": runs, "start": start, "end": end, "error": dev.error}
 
 

@@ -213,7 +213,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 LM_TILE: tl.constexpr, TILE_E: tl.constexpr, TILE_O: tl.constexpr, TILE_D: tl.constexpr,
                 NT_PAD: tl.constexpr,
                 PROFILE: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr,
+                TICKET_AHEAD: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -227,9 +228,20 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
     g_mask = offs_g < G
     x_base = A_ptr + X_OFF
 
+    # TICKET_AHEAD: tickets are drawn one task ahead: the next ticket's atomic is issued when a task
+    # begins (relaxed: it orders nothing; data is ordered by the events' acquire/release), so its round
+    # trip overlaps the task instead of preceding the next one. A held ticket is always greater than
+    # the holder's running task, so the lowest unfinished ticket is always running: no deadlock.
+    if TICKET_AHEAD:
+        nxt = tl.atomic_add(queue_ptr, 1, sem="relaxed") - ticket_base
+    else:
+        nxt = ticket_base * 0
     running = True
     while running:
-        i = tl.atomic_add(queue_ptr, 1) - ticket_base
+        if TICKET_AHEAD:
+            i = nxt
+        else:
+            i = tl.atomic_add(queue_ptr, 1) - ticket_base
         if i < 0:   # the counter is behind its epoch (a failed step not yet cleared): stop, flag it
             tl.atomic_cas(error_ptr, 0, -1)
             running = False
@@ -246,6 +258,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
             sig_ev = tl.load(row + C_SIG_EV)
             w_off = tl.multiple_of(tl.load(row + C_W_OFF), WEIGHT_ALIGN)   # WeightLayout aligns every weight
             n_off = tl.multiple_of(tl.load(row + C_N_OFF), WEIGHT_ALIGN)
+            if TICKET_AHEAD:
+                nxt = tl.atomic_add(queue_ptr, 1, sem="relaxed") - ticket_base
             if PROFILE:   # the kernel's own timestamps: wait begins, run begins, signal sent
                 tl.store(prof_ptr + i.to(tl.int64) * 3, globaltimer())
             # -- wait (acquire), bounded; also gives up when another program has failed ---------

@@ -36,11 +36,21 @@ def default_tiles(cfg: ModelConfig, max_context: int, num_programs: int, fill: b
     # (bounded by the context: with few programs, e.g. 1 under the interpreter, the count never drops below)
     while part < max_context and cfg.num_kv_heads * cdiv(max_context, part * 2) >= enough:
         part *= 2
+    # gate/up and LM-head tiles grow (up to 64 / 128 rows: the widest whose K-chunk keeps the register
+    # budget at 16-byte loads, `megakernel.MIN_BK`) while the phase keeps about one task per program:
+    # fewer tasks, each paying its ticket, poll and signal once
+    gate_up = base.gate_up
+    while gate_up < 64 and cdiv(cfg.intermediate_size, gate_up * 2) >= enough:
+        gate_up *= 2
+    # (at hidden 4096 a 128-row LM tile beside 64-row gate/up tiles spills 80 bytes with Triton 3.6,
+    # cuobjdump -res-usage; gate/up gains more there: dense-8B keeps 64-row LM tiles)
+    lm_head = 128 if cfg.hidden_size <= 2048 else base.lm_head
     heads, half = cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim // 2
     qkv_parts = 1
     while half % (qkv_parts * 2) == 0 and half // (qkv_parts * 2) >= 4 and heads * qkv_parts * 2 <= num_programs:
         qkv_parts *= 2
-    return dataclasses.replace(base, o=rows, down=rows, partition=part, qkv_parts=qkv_parts)
+    return dataclasses.replace(base, o=rows, down=rows, gate_up=gate_up, lm_head=lm_head, partition=part,
+                               qkv_parts=qkv_parts)
 
 
 def tile_ranges(n: int, size: int) -> list[tuple[int, int]]:
