@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from slipstream.engine.config import EngineConfig
 from slipstream.engine.engine import Engine
@@ -50,20 +50,14 @@ def _output(r: Request) -> RequestOutput:
 
 class LLM:
     def __init__(self, model: str | os.PathLike | None = None, *, config: EngineConfig | None = None,
-                 max_model_len: int | None = None, kv_cache_tokens: int | None = None, max_batch: int = 8,
-                 prefill_chunk: int = 512, runtime: str = "auto", max_waiting: int | None = None,
-                 enable_prefix_cache: bool = True, enable_merging: bool = True, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, exact: bool = False,
-                 progress: Callable[[str], None] | None = None):
-        """`config` replaces every engine keyword argument when given. `exact`: the exact
-        fp32-activation CPU kernels instead of the int8-activation fast path. `progress` receives a
-        line at each loading stage (the CLI prints them)."""
-        if config is None:
-            config = EngineConfig(max_model_len=max_model_len, kv_cache_tokens=kv_cache_tokens,
-                                  max_batch=max_batch, prefill_chunk=prefill_chunk, runtime=runtime,
-                                  max_waiting=max_waiting, enable_prefix_cache=enable_prefix_cache,
-                                  enable_merging=enable_merging, speculative=speculative,
-                                  num_speculative_tokens=num_speculative_tokens, exact=exact)
+                 progress: Callable[[str], None] | None = None, **options: Any):
+        """`options`: engine settings by their `EngineConfig` field names (`max_model_len`,
+        `kv_cache_tokens`, `max_batch`, `prefill_chunk`, `prefill_budget`, `max_waiting`, `runtime`,
+        `enable_prefix_cache`, `enable_merging`, `speculative`, `num_speculative_tokens`, `exact`: the
+        exact fp32-activation CPU kernels instead of the int8-activation fast path, ...), applied on top
+        of `config` when both are given. `progress` receives a line at each loading stage (the CLI
+        prints them)."""
+        config = (config or EngineConfig()).with_(**options)
         say = progress or (lambda _msg: None)
         t0 = time.perf_counter()
         say("reading the weights")

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from slipstream.errors import SlipstreamError
 from slipstream.runtime import RUNTIMES
@@ -17,31 +17,88 @@ from slipstream.runtime import RUNTIMES
 MODEL_HELP = "a .gguf file, a Hugging Face folder, a compiled artifact, or smollm2-135m (the default)"
 
 
+# Sampling flags, keyed by their SamplingParams field (with --max-tokens, whose default is the command's)
+SAMPLING_FLAGS: dict[str, dict] = {
+    "temperature": dict(type=float, default=0.0, help="0 = greedy (default)"),
+    "top_p": dict(type=float, default=1.0),
+    "top_k": dict(type=int, default=0),
+    "min_p": dict(type=float, default=0.0),
+    "repetition_penalty": dict(type=float, default=1.0),
+    "presence_penalty": dict(type=float, default=0.0),
+    "frequency_penalty": dict(type=float, default=0.0),
+    "seed": dict(type=int, default=None),
+    "stop": dict(action="append", default=None, help="stop string (repeatable)"),
+    "ignore_eos": dict(action="store_true", help="keep generating past end-of-sequence"),
+}
+
+
 def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    _add_flags(p, SAMPLING_FLAGS)
+
+
+# The engine options the CLI exposes, keyed by their EngineConfig field (the flag is the field's name,
+# dashed): every model command takes ENGINE_FLAGS, serve also BATCH_FLAGS. `_engine_config` reads back
+# whichever of them a command has; EngineConfig validates them, once.
+ENGINE_FLAGS: dict[str, dict] = {
+    "max_model_len": dict(type=int, default=None, help="context length (default: the model's)"),
+    "runtime": dict(choices=list(RUNTIMES), default="auto",
+                    help="decode step executor: eager (torch reference), native (CPU kernels), graph (CUDA "
+                         "graphs), megakernel (one persistent kernel); auto: graph on a GPU, else native where "
+                         "it applies"),
+    "speculative": dict(default=None, metavar="METHOD",
+                        help="speculative decoding: ngram (prompt lookup), mtp (the model's own MTP layers) or "
+                             "draft:MODEL (a smaller model with the same tokenizer)"),
+    "num_speculative_tokens": dict(type=int, default=4, metavar="K",
+                                   help="guesses verified per step with --speculative (default 4)"),
+    "exact": dict(action="store_true",
+                  help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path"),
+}
+BATCH_FLAGS: dict[str, dict] = {
+    "max_batch": dict(type=int, default=32, help="most requests decoded together"),
+    "max_waiting": dict(type=int, default=256, help="most requests queued for a batch slot; past it requests get 503"),
+    "prefill_chunk": dict(type=int, default=512, help="prompt tokens per prefill step"),
+    "prefill_budget": dict(type=int, default=64,
+                           help="prompt tokens in a step that also decodes: bounds how long a running stream "
+                                "waits behind a burst of new prompts (default 64; = --prefill-chunk for no bound)"),
+    "kv_cache_tokens": dict(type=int, default=None, help="KV-cache size in tokens"),
+}
+
+
+# The HTTP server's limits, keyed by their ServerConfig field (flag: the field's name dashed, unless given)
+SERVER_FLAGS: dict[str, dict] = {
+    "max_body_bytes": dict(type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)"),
+    "max_prompt_chars": dict(type=int, default=None,
+                             help="longest prompt or conversation in characters (default: 32 x the context length)"),
+    "max_stop_chars": dict(type=int, default=256, help="longest stop string"),
+    "max_choices": dict(type=int, default=128, help="most choices (n x prompts) in one request"),
+    "max_json_depth": dict(type=int, default=32, help="deepest nesting of a JSON body"),
+    "workers": dict(flag="--http-workers", metavar="HTTP_WORKERS", type=int, default=2,
+                    help="threads that parse, template and tokenize requests off the event loop"),
+    "max_queued_jobs": dict(type=int, default=512,
+                            help="requests waiting for such a thread; past it requests get 503 with Retry-After"),
+    "header_timeout": dict(type=float, default=10.0, help="seconds a client has to send its headers"),
+    "body_timeout": dict(type=float, default=30.0, help="seconds a client has to send its body"),
+    "idle_timeout": dict(type=float, default=5.0, help="seconds an idle keep-alive connection stays open"),
+    "max_connections": dict(type=int, default=1024,
+                            help="most open connections; past it new ones get 503 and are closed"),
+}
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _add_flags(p: Any, flags: dict[str, dict]) -> None:
+    """Add one flag per entry of a table above (to a parser or an argument group)."""
+    for field, kwargs in flags.items():
+        opts = {k: v for k, v in kwargs.items() if k != "flag"}
+        p.add_argument(kwargs.get("flag", _flag(field)), dest=field, **opts)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--runtime", choices=list(RUNTIMES), default="auto",
-                   help="decode step executor: eager (torch reference), native (CPU kernels), graph (CUDA graphs), megakernel (one persistent kernel); auto: graph on a GPU, else native where it applies")
-    p.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="speculative decoding: ngram (prompt lookup), mtp (the model's own MTP layers) or draft:MODEL (a smaller model with the same tokenizer)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="guesses verified per step with --speculative (default 4)")
-    p.add_argument("--exact", action="store_true",
-                   help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path")
+    _add_flags(p, ENGINE_FLAGS)
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N processes with torch.distributed (gloo): heads, FFN features, "
                         "experts and the vocabulary divided between them; runs the eager step")
@@ -75,14 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the environment variable SLIPSTREAM_API_KEY sets it too (the flag wins). With neither the "
                         "API is open to whoever can reach the address; an empty key is an error")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL's)")
-    s.add_argument("--max-batch", type=int, default=32, help="most requests decoded together")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="most requests queued for a batch slot; past it requests get 503")
-    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
-    s.add_argument("--prefill-budget", type=int, default=64,
-                   help="prompt tokens in a step that also decodes: bounds how long a running stream waits "
-                        "behind a burst of new prompts (default 64; = --prefill-chunk for no bound)")
-    s.add_argument("--kv-cache-tokens", type=int, default=None, help="KV-cache size in tokens")
+    _add_flags(s, BATCH_FLAGS)
     s.add_argument("--drain-timeout", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds to let in-flight requests finish (default: no limit)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -93,21 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'*' accepts any). Guards against DNS rebinding")
     h.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="answer cross-origin requests from ORIGIN (repeatable; '*' for any). Default: no CORS")
-    h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (413 past it)")
-    h.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="longest prompt or conversation in characters (default: 32 x the context length)")
-    h.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string")
-    h.add_argument("--max-choices", type=int, default=128, help="most choices (n x prompts) in one request")
-    h.add_argument("--max-json-depth", type=int, default=32, help="deepest nesting of a JSON body")
-    h.add_argument("--http-workers", type=int, default=2,
-                   help="threads that parse, template and tokenize requests off the event loop")
-    h.add_argument("--max-queued-jobs", type=int, default=512,
-                   help="requests waiting for such a thread; past it requests get 503 with Retry-After")
-    h.add_argument("--header-timeout", type=float, default=10.0, help="seconds a client has to send its headers")
-    h.add_argument("--body-timeout", type=float, default=30.0, help="seconds a client has to send its body")
-    h.add_argument("--idle-timeout", type=float, default=5.0, help="seconds an idle keep-alive connection stays open")
-    h.add_argument("--max-connections", type=int, default=1024,
-                   help="most open connections; past it new ones get 503 and are closed")
+    _add_flags(h, SERVER_FLAGS)
 
     d = s.add_argument_group("replicas on Ray Serve (pip install 'slipstream[distributed]')")
     d.add_argument("--replicas", type=int, default=None, metavar="N",
@@ -137,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     i.add_argument("--json", action="store_true", help="one JSON object instead of text")
 
-    from slipstream.bench.cli import add_parser as add_bench_parser   # argparse only: no heavy imports
+    from slipstream.bench.cli import add_parser as add_bench_parser  # argparse only: no heavy imports
     add_bench_parser(sub)
     return parser
 
@@ -146,27 +182,25 @@ def _params(args: argparse.Namespace):
     from slipstream.engine.sampling import SamplingParams
 
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        return SamplingParams(max_tokens=args.max_tokens, **{f: getattr(args, f) for f in SAMPLING_FLAGS})
     except ValueError as e:
         raise SlipstreamError(str(e)) from None
 
 
 def _engine_config(args: argparse.Namespace):
     """The engine configuration the flags ask for, validated, and the model argument checked, before
-    anything imports torch (a typo is reported at once)."""
-    from slipstream.engine.config import EngineConfig
+    anything imports torch (a typo is reported at once). A bad value is reported by its flag."""
+    from slipstream.engine.config import EngineConfig, EngineConfigError
     from slipstream.weights import resolve_model
 
+    try:
+        config = EngineConfig(**{f: getattr(args, f) for f in {**ENGINE_FLAGS, **BATCH_FLAGS} if hasattr(args, f)})
+    except EngineConfigError as e:
+        raise SlipstreamError(f"{_flag(e.field)} {e.problem}") from None
+    if getattr(args, "tensor_parallel", 1) < 1:
+        raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     resolve_model(args.model)
-    opts = {k: getattr(args, k) for k in ("max_batch", "max_waiting", "prefill_chunk", "kv_cache_tokens",
-                                          "prefill_budget")
-            if hasattr(args, k)}
-    return EngineConfig(max_model_len=args.max_model_len, runtime=args.runtime, speculative=args.speculative,
-                        num_speculative_tokens=args.num_speculative_tokens, exact=args.exact, **opts)
+    return config
 
 
 def _progress(msg: str) -> None:
@@ -183,8 +217,6 @@ def _build_llm(args: argparse.Namespace, config):
     """The LLM the flags ask for: one process, or rank 0 of a --tensor-parallel group."""
     from slipstream.api import LLM
 
-    if getattr(args, "tensor_parallel", 1) < 1:
-        raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if getattr(args, "tensor_parallel", 1) == 1:
         return LLM(args.model, config=config, progress=_progress)
     from slipstream.distributed.tp_launch import tensor_parallel_llm
@@ -309,12 +341,9 @@ def _server_config(args: argparse.Namespace):
     def names(values: list[str] | None) -> tuple[str, ...]:
         return tuple(v.strip() for arg in values or [] for v in arg.split(",") if v.strip())
 
-    return ServerConfig(
-        api_key=api_key, served_model_name=args.served_model_name, cors_origins=names(args.cors_origin), max_body_bytes=args.max_body_bytes,
-        max_prompt_chars=args.max_prompt_chars, max_stop_chars=args.max_stop_chars, max_choices=args.max_choices,
-        max_json_depth=args.max_json_depth, workers=args.http_workers, max_queued_jobs=args.max_queued_jobs,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
-        max_connections=args.max_connections, drain_timeout=args.drain_timeout)
+    return ServerConfig(api_key=api_key, served_model_name=args.served_model_name,
+                        cors_origins=names(args.cors_origin), drain_timeout=args.drain_timeout,
+                        **{f: getattr(args, f) for f in SERVER_FLAGS})
 
 
 def _api_access_line(config, host: str, port: int) -> str:
@@ -328,16 +357,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise SlipstreamError(f"--port must be in 0..65535, got {args.port}")
-    for name in ("max_batch", "max_waiting", "prefill_chunk"):   # the flag's own name in the message
-        if getattr(args, name) < 1:
-            raise SlipstreamError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     config = _engine_config(args)
     if args.drain_timeout is not None and args.drain_timeout < 0:
         raise SlipstreamError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     server_config = _server_config(args)
     replica_opts = _replica_options(args)
-    if args.tensor_parallel < 1:
-        raise SlipstreamError(f"--tensor-parallel must be >= 1, got {args.tensor_parallel}")
     if replica_opts is not None and args.tensor_parallel > 1:
         raise SlipstreamError("--tensor-parallel with --replicas is not supported yet: choose one")
     try:   # fail before loading the model if the address is taken

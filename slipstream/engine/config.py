@@ -15,6 +15,16 @@ from slipstream.errors import ConfigError
 SPEC_MAX_BATCH = 3   # see EngineConfig.speculative_max_batch
 
 
+class EngineConfigError(ConfigError):
+    """A bad value of one field: `field`, then `problem` (e.g. "must be an integer >= 1, got 0"), so a
+    caller can name the setting its own way (the CLI names its flag)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int | None = None      # context length (None: the model's)
@@ -47,7 +57,7 @@ class EngineConfig:
                 return
             if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
                 bound = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-                raise ConfigError(f"{name} must be an integer {bound}, got {v!r}")
+                raise EngineConfigError(name, f"must be an integer {bound}, got {v!r}")
         integer("max_model_len", 2, optional=True)
         integer("kv_cache_tokens", 1, optional=True)
         integer("block_size", 1)
@@ -61,7 +71,7 @@ class EngineConfig:
             raise ConfigError(f"unknown runtime {self.runtime!r} ({', '.join(runtime_names())})")
         for name in ("enable_prefix_cache", "enable_merging", "exact"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise EngineConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
 
     @property
     def spec_rows(self) -> int:
