@@ -569,6 +569,102 @@ AI void ss_group_sums(const float *x, int K, float *xs) {
 }
 
 // A switch over the row count so each case is compiled with a constant nb.
+// -- two weight rows per pass (AVX2): each activation load feeds both rows' products; every output is
+// computed with exactly the single-row kernel's operations in the same order (bit-identical results)
+#if defined(SS_AVX2)
+#define SS_HAVE_ROW2 1
+AI void q4q8_row2(const uint8_t *w0, const uint8_t *w1, const float *sc0, const float *sc1, const float *mn0,
+                  const float *mn1, int G, const int8_t *xq, const float *xd, const float *xs, int nb,
+                  float *out0, float *out1) {
+    const int K = G * 32;
+    __m128 a0[MAX_ROWS], a1[MAX_ROWS];
+    __m256 t0[MAX_ROWS], t1[MAX_ROWS];
+    for (int b = 0; b < nb; b++) a0[b] = a1[b] = _mm_setzero_ps(), t0[b] = t1[b] = _mm256_setzero_ps();
+    const __m128i m4 = _mm_set1_epi8(15);
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        __m256i q0[4], q1[4];
+        for (int j = 0; j < 4; j++) {
+            const __m128i r0 = _mm_loadu_si128((const __m128i *)(w0 + (g + j) * 16));
+            const __m128i r1 = _mm_loadu_si128((const __m128i *)(w1 + (g + j) * 16));
+            q0[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r0, 4), m4), _mm_and_si128(r0, m4));
+            q1[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r1, 4), m4), _mm_and_si128(r1, m4));
+        }
+        const __m128 s0 = _mm_loadu_ps(sc0 + g), s1 = _mm_loadu_ps(sc1 + g);
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i p0[4], p1[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+                p0[j] = ss_dot_u8s8(q0[j], av);
+                p1[j] = ss_dot_u8s8(q1[j], av);
+            }
+            const __m128 x4 = _mm_loadu_ps(xd + (int64_t)b * G + g);
+            a0[b] = _mm_fmadd_ps(_mm_mul_ps(s0, x4), _mm_cvtepi32_ps(ss_sum4(p0)), a0[b]);
+            a1[b] = _mm_fmadd_ps(_mm_mul_ps(s1, x4), _mm_cvtepi32_ps(ss_sum4(p1)), a1[b]);
+        }
+    }
+    for (; g < G; g++) {
+        const __m128i r0 = _mm_loadu_si128((const __m128i *)(w0 + g * 16));
+        const __m128i r1 = _mm_loadu_si128((const __m128i *)(w1 + g * 16));
+        const __m256i q0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r0, 4), m4), _mm_and_si128(r0, m4));
+        const __m256i q1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(r1, 4), m4), _mm_and_si128(r1, m4));
+        for (int b = 0; b < nb; b++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+            const float xg = xd[(int64_t)b * G + g];
+            t0[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc0[g] * xg), _mm256_cvtepi32_ps(ss_dot_u8s8(q0, av)), t0[b]);
+            t1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc1[g] * xg), _mm256_cvtepi32_ps(ss_dot_u8s8(q1, av)), t1[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) {
+        out0[b] = hsum128(a0[b]) + hsum256(t0[b]) + ss_min_term(mn0, xs + (int64_t)b * G, G);
+        out1[b] = hsum128(a1[b]) + hsum256(t1[b]) + ss_min_term(mn1, xs + (int64_t)b * G, G);
+    }
+}
+
+AI void q8q8_row2(const int8_t *w0, const int8_t *w1, const float *sc0, const float *sc1, int G, const int8_t *xq,
+                  const float *xd, int nb, float *out0, float *out1) {
+    const int K = G * 32;
+    __m128 a0[MAX_ROWS], a1[MAX_ROWS];
+    __m256 t0[MAX_ROWS], t1[MAX_ROWS];
+    for (int b = 0; b < nb; b++) a0[b] = a1[b] = _mm_setzero_ps(), t0[b] = t1[b] = _mm256_setzero_ps();
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        __m256i s0[4], s1[4], u0[4], u1[4];
+        for (int j = 0; j < 4; j++) {
+            s0[j] = _mm256_loadu_si256((const __m256i *)(w0 + (g + j) * 32));
+            s1[j] = _mm256_loadu_si256((const __m256i *)(w1 + (g + j) * 32));
+            u0[j] = _mm256_sign_epi8(s0[j], s0[j]);
+            u1[j] = _mm256_sign_epi8(s1[j], s1[j]);
+        }
+        const __m128 c0 = _mm_loadu_ps(sc0 + g), c1 = _mm_loadu_ps(sc1 + g);
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i p0[4], p1[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+                p0[j] = ss_dot_u8s8(u0[j], _mm256_sign_epi8(av, s0[j]));
+                p1[j] = ss_dot_u8s8(u1[j], _mm256_sign_epi8(av, s1[j]));
+            }
+            const __m128 x4 = _mm_loadu_ps(xd + (int64_t)b * G + g);
+            a0[b] = _mm_fmadd_ps(_mm_mul_ps(c0, x4), _mm_cvtepi32_ps(ss_sum4(p0)), a0[b]);
+            a1[b] = _mm_fmadd_ps(_mm_mul_ps(c1, x4), _mm_cvtepi32_ps(ss_sum4(p1)), a1[b]);
+        }
+    }
+    for (; g < G; g++) {
+        const __m256i s0 = _mm256_loadu_si256((const __m256i *)(w0 + g * 32)), u0 = _mm256_sign_epi8(s0, s0);
+        const __m256i s1 = _mm256_loadu_si256((const __m256i *)(w1 + g * 32)), u1 = _mm256_sign_epi8(s1, s1);
+        for (int b = 0; b < nb; b++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
+            const float xg = xd[(int64_t)b * G + g];
+            t0[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc0[g] * xg), _mm256_cvtepi32_ps(ss_dot_u8s8(u0, _mm256_sign_epi8(av, s0))), t0[b]);
+            t1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc1[g] * xg), _mm256_cvtepi32_ps(ss_dot_u8s8(u1, _mm256_sign_epi8(av, s1))), t1[b]);
+        }
+    }
+    for (int b = 0; b < nb; b++) out0[b] = hsum128(a0[b]) + hsum256(t0[b]), out1[b] = hsum128(a1[b]) + hsum256(t1[b]);
+}
+#endif
+
 #define SS_BY_ROWS(nb, CALL) switch (nb) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(8); break; }
