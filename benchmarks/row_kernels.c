@@ -1,0 +1,106 @@
+// In-cache speed of the CPU row kernels (kernels/cpu/simd.h, qtypes.h): one 1536 x 576 weight matrix
+// (SmolLM2's gate/up shape; ~0.5-0.9 MB, it stays in L2/L3) against 1, 2, 4 and 8 activation rows.
+// Prints the best of 200 passes (the least disturbed by neighbours) as multiply-accumulates per
+// nanosecond and per cycle at an assumed 3 GHz, for:
+//   q4 one row / two rows per pass   (the re-blocked Q4_0/Q4_1/Q4_K layout)
+//   raw GGUF blocks, fused (qt_q8_row) against decoding the row to int8 first (the older path), for
+//   Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, and Q6_K (fused only)
+//
+//   gcc -O2 -march=native -o /tmp/row_kernels benchmarks/row_kernels.c -lm && /tmp/row_kernels
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "../slipstream/kernels/cpu/qtypes.h"
+
+enum { K = 576, N = 1536, G = K / 32, REPS = 200 };
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static int8_t xq[8 * K];
+static float xd[8 * G], xs[8 * G], out[MAX_ROWS], out1[MAX_ROWS];
+
+static void report(const char *what, int nb, double seconds) {
+    const double macs = (double)N * K * nb;
+    printf("  %-28s rows %d: %6.2f MAC/ns  %5.2f MAC/cycle@3GHz\n", what, nb, macs / seconds / 1e9, macs / seconds / 3e9);
+}
+
+static void q4_rows(void) {
+    uint8_t *w = malloc((size_t)N * K / 2);
+    float *sc = malloc(sizeof(float) * N * G), *mn = malloc(sizeof(float) * N * G);
+    for (size_t i = 0; i < (size_t)N * K / 2; i++) w[i] = (uint8_t)rand();
+    for (int i = 0; i < N * G; i++) sc[i] = 0.01f, mn[i] = -0.05f;
+    for (int nb = 1; nb <= 8; nb *= 2) {
+        double one = 1e9, two = 1e9;
+        for (int r = 0; r < REPS; r++) {
+            double t = now();
+            for (int n = 0; n < N; n++) q4q8_row(w + (size_t)n * K / 2, sc + n * G, mn + n * G, G, xq, xd, xs, nb, out);
+            if (now() - t < one) one = now() - t;
+#if defined(SS_HAVE_ROW2)
+            t = now();
+            for (int n = 0; n < N; n += 2)
+                q4q8_row2(w + (size_t)n * K / 2, w + (size_t)(n + 1) * K / 2, sc + n * G, sc + (n + 1) * G, mn + n * G,
+                          mn + (n + 1) * G, G, xq, xd, xs, nb, out, out1);
+            if (now() - t < two) two = now() - t;
+#endif
+        }
+        report("q4, one row per pass", nb, one);
+        if (two < 1e9) report("q4, two rows per pass", nb, two);
+    }
+}
+
+static void raw_rows(int t, const char *name) {
+    const int BB = qt_bytes(t), QK = qt_block(t);
+    const size_t row = (size_t)K / QK * BB;
+    uint8_t *w = malloc(row * N);
+    for (size_t i = 0; i < row * N; i++) w[i] = (uint8_t)rand();
+    const uint16_t h = 0x2E66;   // a sane fp16 scale (0.1) in every block's d (and dmin / min)
+    for (int n = 0; n < N; n++)
+        for (int b = 0; b < K / QK; b++) {
+            uint8_t *p = w + n * row + (size_t)b * BB;
+            if (t == QT_Q6_K) memcpy(p + 208, &h, 2);
+            else memcpy(p, &h, 2);
+            if (t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K) memcpy(p + 2, &h, 2);
+        }
+    for (int nb = 1; nb <= 8; nb *= 8) {
+        double fused = 1e9, decoded = 1e9;
+        for (int r = 0; r < REPS / 4; r++) {
+            double t0 = now();
+            for (int n = 0; n < N; n++) qt_q8_row(t, w + n * row, K, xq, xd, xs, nb, out);
+            if (now() - t0 < fused) fused = now() - t0;
+            if (!qt_per32(t)) continue;
+            t0 = now();
+            for (int n = 0; n < N; n++) {
+                int8_t q[K];
+                float sc[G], mn[G];
+                qt_unpack_row32(t, w + n * row, K, q, sc, mn);
+                q8q8_row(q, sc, G, xq, xd, nb, out);
+                if (qt_has_min(t))
+                    for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + b * G, G);
+            }
+            if (now() - t0 < decoded) decoded = now() - t0;
+        }
+        char label[64];
+        snprintf(label, sizeof label, "%s, fused", name);
+        report(label, nb, fused);
+        if (decoded < 1e9) {
+            snprintf(label, sizeof label, "%s, row decoded first", name);
+            report(label, nb, decoded);
+        }
+    }
+}
+
+int main(void) {
+    for (int i = 0; i < 8 * K; i++) xq[i] = (int8_t)(rand() % 255 - 127);
+    for (int i = 0; i < 8 * G; i++) xd[i] = 0.01f, xs[i] = 0.1f;
+    printf("ISA %s, %d x %d weights\n", ss_isa_name(), N, K);
+    q4_rows();
+    const int types[] = {QT_Q5_0, QT_Q5_1, QT_IQ4_NL, QT_Q4_K, QT_Q5_K, QT_IQ4_XS, QT_Q6_K};
+    const char *names[] = {"Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS", "Q6_K"};
+    for (int i = 0; i < 7; i++) raw_rows(types[i], names[i]);
+    return 0;
+}
