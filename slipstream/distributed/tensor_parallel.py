@@ -15,9 +15,18 @@ What each rank holds (W ranks, rank r):
   * embedding and LM head: vocabulary rows [r V/W, (r+1) V/W) (vocab-parallel): a token's embedding
     comes from the rank that holds it (all-reduce of masked lookups); logits are all-gathered.
 
-The maths is the model's own: each rank builds the family's model class (`LlamaModel`,
-`DeepseekModel`) over its shards with a config of local head / FFN counts, and the sharded forward
-calls its RoPE, attention, MLA, router and MLP functions, adding only the collectives.
+The maths is the model's own. The Llama family (Llama, Qwen2/3, Mistral, SmolLM2, Gemma 2/3, Phi-3)
+runs `DecoderModel.forward` itself on every rank, over a `LlamaModel` of local head / FFN counts whose
+O and DOWN products are `RowParallelLinear`s (all-reduce) and whose embedding and LM head are
+`VocabParallelLinear`s: every feature of the eager step comes with it. The DeepSeek family builds
+`DeepseekModel` over its shards and its sharded forward calls that model's RoPE, attention, MLA,
+router and MLP functions, adding the collectives.
+
+Ranks cut their shards from the loader's weights (`ShardedModel.from_weights`): rows of packed or
+memory-mapped weights are selected before they are dequantized, columns dequantized a few rows at a
+time, so no rank holds a float32 copy of the whole model. On CUDA machines the group is NCCL with
+rank r on cuda:LOCAL_RANK and its shard there in bf16 (`rank_device`); rank 0's step descriptions
+travel over a gloo group beside it.
 
 Rank 0 owns the scheduler: `TensorParallelModel` satisfies the `Model` protocol for the engine and
 broadcasts each step description (`step.StepInput`) before running its shard; the other ranks run
@@ -25,7 +34,9 @@ broadcasts each step description (`step.StepInput`) before running its shard; th
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
+import os
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -36,6 +47,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
 from slipstream.models.base import Model
 from slipstream.step import StepInput
+from slipstream.weights.quant import Linear
 
 
 def _span(n: int, world: int, rank: int, what: str) -> tuple[int, int]:
@@ -45,16 +57,12 @@ def _span(n: int, world: int, rank: int, what: str) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _dense(w: Any) -> torch.Tensor:
-    """A weight as a float32 tensor (a `Linear` is dequantized: shards are kept dense)."""
-    return w.dequantize().to(torch.float32) if hasattr(w, "dequantize") else w.to(torch.float32)
-
-
 class Collectives:
     """The three collectives a sharded forward needs, over one process group."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, control: Any = None):
         self.group = group
+        self.control = control   # the group for `broadcast` (rank 0's messages); None: `group`
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
@@ -72,9 +80,10 @@ class Collectives:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled; over `control`, a gloo group beside NCCL)."""
+        g = self.control if self.control is not None else self.group
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                   group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
         return box[0]
 
 
@@ -96,80 +105,161 @@ class VocabShard:
 
 
 # -- the Llama family --------------------------------------------------------------------------------
+#
+# No second copy of the layer loop: each rank runs `DecoderModel.forward` itself (Gemma's post-norms,
+# GeGLU, embedding scale, sliding windows and soft-capping, Phi-3's LongRoPE and partial rotary, Qwen's
+# biases and q/k norms all come with it) over a `LlamaModel` of local head / FFN counts whose four
+# cross-rank products are `Linear`s that add the collectives: the row-parallel O and DOWN all-reduce
+# their partial sums (before Gemma's post-norms, which `forward` applies to what they return), the
+# vocabulary-parallel embedding all-reduces its masked lookups and the LM head all-gathers its logits
+# (before Gemma 2's final soft-capping).
 
-def _shard_llama(model: Any, world: int, rank: int) -> tuple[Any, VocabShard, VocabShard]:
-    from slipstream.models.llama import LlamaModel
-    from slipstream.weights.layers import LlamaLayer
-    from slipstream.weights.quant import Linear
+@dataclass
+class RowParallelLinear(Linear):
+    """This rank's input columns of a row-parallel product (attention output, MLP down): its partial
+    sum x_r @ W_r.T, all-reduced over the ranks (the bias on rank 0 only), then written or added to
+    `out` as `Linear.__call__` does."""
+    comm: Any = None
 
-    c = model.cfg
-    # the sharded forward below is Llama's plain layer loop: refuse what it would compute wrongly
-    # (Gemma 2/3, Phi-3 with LongRoPE or partial rotary, MoE layers)
-    why = c.eager_only() if hasattr(c, "eager_only") else None
-    if why is not None or not isinstance(model, LlamaModel):
-        raise SlipstreamError(f"tensor parallelism does not cover {why or type(model).__name__} yet; "
+    @classmethod
+    def wrap(cls, w: Linear, comm: Collectives) -> RowParallelLinear:
+        return cls(**{f.name: getattr(w, f.name) for f in fields(Linear)}, comm=comm)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 accumulate: bool = False) -> torch.Tensor:
+        y = self.comm.all_reduce(Linear.__call__(self, x))
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+
+
+@dataclass
+class VocabParallelLinear(Linear):
+    """Vocabulary rows [lo, lo + n) of the embedding / LM head: a lookup takes the rows this rank
+    holds (zeros for the others) and all-reduces them; a product's logits are all-gathered (rank order
+    is vocabulary order)."""
+    lo: int = 0
+    comm: Any = None
+
+    @classmethod
+    def wrap(cls, w: Linear, lo: int, comm: Collectives) -> VocabParallelLinear:
+        return cls(**{f.name: getattr(w, f.name) for f in fields(Linear)}, lo=lo, comm=comm)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if rows is None:
+            return Linear.dequantize(self)
+        local = rows - self.lo
+        mine = (local >= 0) & (local < self.n)
+        x = Linear.dequantize(self, local.clamp(0, self.n - 1)).to(torch.float32) * mine[:, None]
+        return self.comm.all_reduce(x)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 accumulate: bool = False) -> torch.Tensor:
+        y = self.comm.gather_columns(Linear.__call__(self, x))
+        if out is None:
+            return y
+        return out.add_(y) if accumulate else out.copy_(y)
+
+
+ROW_CHUNK = 256   # rows dequantized at a time when a packed weight is split by columns
+
+
+def _rows(w: Linear, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a weight as float32, without materializing the others (a packed or memory-mapped
+    weight is cut before it is dequantized)."""
+    if not w.packed:
+        return w.data[rows].to(torch.float32)
+    return w.select_rows(rows).dequantize().to(torch.float32)
+
+
+def _cols(w: Linear, c0: int, c1: int) -> torch.Tensor:
+    """Columns [c0, c1) of a weight as float32 [N, c1 - c0]; a packed weight is dequantized
+    `ROW_CHUNK` rows at a time, so only the shard and one chunk are ever float32."""
+    if not w.packed:
+        return w.data[:, c0:c1].to(torch.float32).contiguous()
+    out = torch.empty(w.n, c1 - c0, dtype=torch.float32)
+    for r in range(0, w.n, ROW_CHUNK):
+        rows = torch.arange(r, min(w.n, r + ROW_CHUNK))
+        out[r:r + rows.numel()] = w.dequantize(rows)[:, c0:c1]
+    return out
+
+
+def _bias(w: Linear, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    if w.bias is None:
+        return None
+    return (w.bias if rows is None else w.bias[rows]).to(torch.float32).contiguous()
+
+
+def _refuse_moe(cfg: Any) -> None:
+    """The one feature of the family the sharded step does not split yet: Qwen MoE's experts."""
+    if getattr(cfg, "num_experts", 0):
+        raise SlipstreamError(f"tensor parallelism does not cover {cfg.eager_only()} yet; "
                               "run it with --tensor-parallel 1")
-    H, KVH, D, Fd = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+
+
+def shard_llama_weights(cfg: Any, weights: dict[str, Any], world: int, rank: int) -> tuple[Any, dict[str, Any], int]:
+    """(local config, local weights, first vocabulary row) of rank `rank`: its heads, FFN features and
+    vocabulary rows as dense float32 `Linear`s, cut from the loader's weights (packed or
+    memory-mapped ones are cut before they are dequantized). Entries of `weights` are removed as they
+    are sharded, so each full weight can be freed as soon as its shard exists."""
+    _refuse_moe(cfg)
+    H, KVH, D, Fd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     h0, h1 = _span(H, world, rank, "attention heads")
     k0, k1 = _span(KVH, world, rank, "KV heads")
     f0, f1 = _span(Fd, world, rank, "FFN features")
-    q_rows = torch.arange(h0 * D, h1 * D)
-    k_rows = H * D + torch.arange(k0 * D, k1 * D)
-    v_rows = (H + KVH) * D + torch.arange(k0 * D, k1 * D)
-    qkv_rows = torch.cat([q_rows, k_rows, v_rows])
+    v0, v1 = _span(cfg.vocab_size, world, rank, "vocabulary entries")
+    qkv_rows = torch.cat([torch.arange(h0 * D, h1 * D), H * D + torch.arange(k0 * D, k1 * D),
+                          (H + KVH) * D + torch.arange(k0 * D, k1 * D)])
     gu_rows = torch.cat([torch.arange(f0, f1), Fd + torch.arange(f0, f1)])
-    layers = []
-    for L in model.layers:
-        qkv, o, gu, down = _dense(L.qkv), _dense(L.o), _dense(L.gate_up), _dense(L.down)
-        qkv_bias = None if L.qkv.bias is None else L.qkv.bias[qkv_rows]
-        layers.append(LlamaLayer(
-            attn_norm=L.attn_norm, ffn_norm=L.ffn_norm,
-            qkv=Linear.dense(qkv[qkv_rows], qkv_bias),
-            o=Linear.dense(o[:, h0 * D:h1 * D], L.o.bias if rank == 0 else None),
-            gate_up=Linear.dense(gu[gu_rows], None if L.gate_up.bias is None else L.gate_up.bias[gu_rows]),
-            down=Linear.dense(down[:, f0:f1], L.down.bias if rank == 0 else None),
-            q_norm=L.q_norm, k_norm=L.k_norm))
-    embed = VocabShard(_dense(model.embed), world, rank)
-    head = embed if model.lm_head is model.embed else VocabShard(_dense(model.lm_head), world, rank)
-    local_cfg = replace(c, num_heads=H // world, num_kv_heads=KVH // world, intermediate_size=Fd // world)
-    weights: dict[str, Any] = {"embed": Linear.dense(embed.weight), "lm_head": Linear.dense(head.weight),
-                               "norm": model.norm, "inv_freq": model.inv_freq}
-    weights.update({f"layers.{i}": L for i, L in enumerate(layers)})
-    return LlamaModel(local_cfg, weights), embed, head
+    out: dict[str, Any] = {"norm": weights.pop("norm")}
+    for key in ("inv_freq", "rope_freqs"):
+        if key in weights:
+            out[key] = weights.pop(key)
+    for i in range(cfg.num_layers):
+        L = weights.pop(f"layers.{i}")
+        out[f"layers.{i}"] = dataclasses.replace(
+            L, qkv=Linear.dense(_rows(L.qkv, qkv_rows), _bias(L.qkv, qkv_rows)),
+            o=Linear.dense(_cols(L.o, h0 * D, h1 * D), _bias(L.o) if rank == 0 else None),
+            gate_up=Linear.dense(_rows(L.gate_up, gu_rows), _bias(L.gate_up, gu_rows)),
+            down=Linear.dense(_cols(L.down, f0, f1), _bias(L.down) if rank == 0 else None))
+        del L
+    vocab = torch.arange(v0, v1)
+    embed, head = weights.pop("embed"), weights.pop("lm_head")
+    out["embed"] = Linear.dense(_rows(embed, vocab))
+    out["lm_head"] = out["embed"] if head is embed else Linear.dense(_rows(head, vocab), _bias(head, vocab))
+    local_cfg = replace(cfg, num_heads=H // world, num_kv_heads=KVH // world, intermediate_size=Fd // world)
+    return local_cfg, out, v0
 
 
-def _llama_forward(local: Any, embed: VocabShard, head: VocabShard, comm: Collectives, step: StepInput,
-                   kv: PagedKVCache) -> torch.Tensor:
-    """`LlamaModel.forward` over this rank's heads and FFN features, with the all-reduces."""
-    c = local.cfg
-    T = step.token_ids.shape[0]
-    H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
-    qd, kd = H * D, KVH * D
-    eps = c.rms_norm_eps
-    x = embed.embed(step.token_ids, comm)
-    cos, sin = local._rope_tables(step.positions)
-    for li, L in enumerate(local.layers):
-        h = F.rms_norm(x, (c.hidden_size,), L.attn_norm, eps)
-        qkv = L.qkv(h)
-        q = qkv[:, :qd].view(T, H, D)
-        k = qkv[:, qd:qd + kd].view(T, KVH, D)
-        v = qkv[:, qd + kd:].view(T, KVH, D)
-        if L.q_norm is not None:
-            q = F.rms_norm(q, (D,), L.q_norm, eps)
-            k = F.rms_norm(k, (D,), L.k_norm, eps)
-        q = local._rope(q, cos, sin)
-        k = local._rope(k, cos, sin)
-        lk, lv = kv.k[li], kv.v[li]
-        lk.index_copy_(0, step.write_slots, k.to(lk.dtype))
-        lv.index_copy_(0, step.write_slots, v.to(lv.dtype))
-        attn = torch.cat([local._attention(q[s.start:s.start + s.length], lk, lv, s) for s in step.seqs])
-        x = x + comm.all_reduce(L.o(attn.reshape(T, qd)))
-        h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, eps)
-        gu = L.gate_up(h)
-        f = gu.shape[1] // 2
-        x = x + comm.all_reduce(L.down(F.silu(gu[:, :f]) * gu[:, f:]))
-    last = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), local.norm, eps)
-    return head.logits(last, comm)
+def _model_weights(model: Any) -> dict[str, Any]:
+    w: dict[str, Any] = {"embed": model.embed, "lm_head": model.lm_head, "norm": model.norm,
+                         "inv_freq": model.inv_freq}
+    w.update({f"layers.{i}": L for i, L in enumerate(model.layers)})
+    return w
+
+
+def _shard_llama(model: Any, world: int, rank: int) -> tuple[Any, int]:
+    """Rank `rank`'s `LlamaModel` (plain `Linear`s, not yet wired to the collectives) and its first
+    vocabulary row, from a whole model."""
+    from slipstream.models.llama import LlamaModel
+
+    _refuse_moe(model.cfg)
+    if not isinstance(model, LlamaModel):
+        raise SlipstreamError(f"tensor parallelism does not cover {type(model).__name__} yet; "
+                              "run it with --tensor-parallel 1")
+    cfg, weights, lo = shard_llama_weights(model.cfg, _model_weights(model), world, rank)
+    return LlamaModel(cfg, weights), lo
+
+
+def _parallelize(local: Any, vocab_lo: int, comm: Collectives) -> Any:
+    """Wires a local `LlamaModel` (already on its device) to the collectives: O and DOWN row-parallel,
+    embedding and LM head vocabulary-parallel (a tied pair stays one object)."""
+    tied = local.lm_head is local.embed
+    local.embed = VocabParallelLinear.wrap(local.embed, vocab_lo, comm)
+    local.lm_head = local.embed if tied else VocabParallelLinear.wrap(local.lm_head, vocab_lo, comm)
+    local.layers = [dataclasses.replace(L, o=RowParallelLinear.wrap(L.o, comm),
+                                        down=RowParallelLinear.wrap(L.down, comm)) for L in local.layers]
+    return local
 
 
 # -- the DeepSeek / GLM family ------------------------------------------------------------------------
@@ -276,26 +366,98 @@ def _deepseek_forward(local: Any, embed: VocabShard, head: VocabShard, experts: 
 
 # -- one rank's shard, and rank 0's face to the engine ----------------------------------------------------
 
-class ShardedModel:
-    """This rank's part of a model and its sharded forward."""
+def rank_device(world: int, rank: int) -> tuple[str, torch.device]:
+    """(backend, device) of one rank: NCCL with rank r on cuda:LOCAL_RANK (r when unset) where CUDA is
+    available, else gloo on the CPU. `SLIPSTREAM_TP_DEVICE=cpu` keeps a GPU machine on gloo;
+    `=cuda` insists on GPUs. A machine with fewer GPUs than its ranks is refused, not oversubscribed."""
+    want = os.environ.get("SLIPSTREAM_TP_DEVICE", "auto").lower()
+    if want not in ("auto", "cpu", "cuda"):
+        raise SlipstreamError(f"SLIPSTREAM_TP_DEVICE must be auto, cpu or cuda, got {want!r}")
+    cuda = torch.cuda.is_available()
+    if want == "cpu" or (want == "auto" and not cuda):
+        return "gloo", torch.device("cpu")
+    if not cuda:
+        raise SlipstreamError("SLIPSTREAM_TP_DEVICE=cuda, but torch sees no CUDA device")
+    n = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if n < local_world:
+        raise SlipstreamError(f"--tensor-parallel {world} runs one rank per GPU, but this machine has {n} "
+                              f"CUDA device(s); use --tensor-parallel {n} or fewer (or SLIPSTREAM_TP_DEVICE=cpu "
+                              "for gloo on the CPU)")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if not 0 <= local < n:
+        raise SlipstreamError(f"LOCAL_RANK {local} names no CUDA device (this machine has {n})")
+    return "nccl", torch.device("cuda", local)
 
-    def __init__(self, model: Any, comm: Collectives):
+
+def control_group() -> Any:
+    """The group that carries rank 0's messages (pickled step descriptions, on the CPU): gloo beside
+    an NCCL group (every rank must call this at the same point), the default group otherwise."""
+    if dist.get_backend() == "nccl":
+        return dist.new_group(backend="gloo")
+    return None
+
+
+class ShardedModel:
+    """This rank's part of a model and its sharded forward: the Llama family runs the model's own
+    `DecoderModel.forward` over local weights wired to the collectives; the DeepSeek family its
+    sharded forward above."""
+
+    def __init__(self, model: Any, comm: Collectives, device: torch.device | str = "cpu"):
+        from slipstream.config import DeepseekConfig
+
+        self._setup(model.cfg, comm, device)
+        with torch.inference_mode():
+            if not isinstance(model.cfg, DeepseekConfig):
+                local, lo = _shard_llama(model, comm.world, comm.rank)
+                self._place_llama(local, lo)
+            else:
+                self._shard_deepseek(model)
+
+    @classmethod
+    def from_weights(cls, cfg: Any, weights: dict[str, Any], comm: Collectives,
+                     device: torch.device | str = "cpu") -> ShardedModel:
+        """From a loader's config and weights, without building the whole model: each rank cuts its
+        shard from the (packed or memory-mapped) weights and drops them from `weights` as it goes."""
+        from slipstream.config import DeepseekConfig
+        from slipstream.models import build_model
+        from slipstream.models.llama import LlamaModel
+
+        self = cls.__new__(cls)
+        self._setup(cfg, comm, device)
+        with torch.inference_mode():
+            if isinstance(cfg, DeepseekConfig):
+                self._shard_deepseek(build_model(cfg, weights))
+                weights.clear()
+            else:
+                local_cfg, local_w, lo = shard_llama_weights(cfg, weights, comm.world, comm.rank)
+                self._place_llama(LlamaModel(local_cfg, local_w), lo)
+        return self
+
+    def _setup(self, cfg: Any, comm: Collectives, device: torch.device | str) -> None:
         from slipstream.config import DeepseekConfig
 
         self.comm = comm
-        self.cfg = model.cfg
-        self.family = "deepseek" if isinstance(model.cfg, DeepseekConfig) else "llama"
-        with torch.inference_mode():
-            if self.family == "llama":
-                self.local, self.embed, self.head = _shard_llama(model, comm.world, comm.rank)
-                self.experts = (0, 0)
-            else:
-                self.local, self.embed, self.head, self.experts = _shard_deepseek(model, comm.world, comm.rank)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.family = "deepseek" if isinstance(cfg, DeepseekConfig) else "llama"
+        self.experts = (0, 0)
+
+    def _place_llama(self, local: Any, vocab_lo: int) -> None:
+        if self.device.type != "cpu":
+            local.to(self.device, torch.bfloat16)   # norms, RoPE and the residual stream stay float32
+        self.local = _parallelize(local, vocab_lo, self.comm)
+
+    def _shard_deepseek(self, model: Any) -> None:
+        if self.device.type != "cpu":
+            raise SlipstreamError("tensor parallelism runs the DeepSeek/GLM family on the CPU (gloo) only; "
+                                  "set SLIPSTREAM_TP_DEVICE=cpu")
+        self.local, self.embed, self.head, self.experts = _shard_deepseek(model, self.comm.world, self.comm.rank)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, kv: Any) -> torch.Tensor:
         if self.family == "llama":
-            return _llama_forward(self.local, self.embed, self.head, self.comm, step, kv)
+            return self.local.forward(step, kv)
         return _deepseek_forward(self.local, self.embed, self.head, self.experts, self.comm, step, kv)
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> PagedKVCache | LatentKVCache:
@@ -309,12 +471,11 @@ class TensorParallelModel:
     """Rank 0's shard behind the `Model` protocol: the engine drives it as one model; every call
     that the other ranks must mirror (a new KV cache, a step) is broadcast to them first."""
 
-    devices: tuple[str, ...] = ("cpu",)
-
     def __init__(self, shard: ShardedModel):
         self.shard = shard
         self.cfg = shard.cfg
-        self.device = torch.device("cpu")
+        self.device = shard.device
+        self.devices: tuple[str, ...] = (shard.device.type,)
         self.world = shard.comm.world
 
     def forward(self, step: StepInput, kv: Any, return_hidden: bool = False) -> torch.Tensor:
@@ -331,8 +492,10 @@ class TensorParallelModel:
         return self.shard.kv_bytes_per_token()
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> Model:
-        if torch.device(device).type != "cpu":
-            raise SlipstreamError("tensor parallelism runs on the CPU (gloo) for now")
+        """The shards were placed when they were cut (rank r on cuda:r, or all on the CPU)."""
+        if torch.device(device).type != self.device.type:
+            raise SlipstreamError(f"this tensor-parallel model lives on {self.device.type} "
+                                  f"(SLIPSTREAM_TP_DEVICE), not {torch.device(device).type}")
         return self
 
     def stop(self) -> None:

@@ -1,6 +1,7 @@
-"""`--tensor-parallel N`: this process becomes rank 0 of a gloo group and starts ranks 1..N-1 as
-processes of their own; every rank loads the model and keeps only its shard
-(`tensor_parallel.ShardedModel`). Rank 0 wraps its shard as the engine's model
+"""`--tensor-parallel N`: this process becomes rank 0 of a process group (gloo on the CPU; NCCL with
+rank r on cuda:r where CUDA is available, `tensor_parallel.rank_device`) and starts ranks 1..N-1 as
+processes of their own; every rank opens the checkpoint and cuts only its shard from it
+(`tensor_parallel.ShardedModel.from_weights`). Rank 0 wraps its shard as the engine's model
 (`TensorParallelModel`, eager runtime: the step is the sharded torch forward) and the `LLM` it
 returns serves, generates and chats as usual; the other ranks follow its step descriptions until
 `TensorParallelGroup.close()`.
@@ -36,16 +37,27 @@ def _threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _follower(rank: int, world: int, init_method: str, model: str | None, threads: int) -> None:
-    from slipstream.distributed.tensor_parallel import Collectives, ShardedModel, follow
-    from slipstream.models import build_model
+def _init_group(backend: str, device: torch.device, init_method: str, rank: int, world: int) -> Any:
+    """Joins the group; returns `Collectives` over it (with a gloo control group beside NCCL)."""
+    from slipstream.distributed.tensor_parallel import Collectives, control_group
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+    return Collectives(control=control_group())
+
+
+def _follower(rank: int, world: int, init_method: str, model: str | None, threads: int,
+              backend: str = "gloo", device: str = "cpu") -> None:
+    from slipstream.distributed.tensor_parallel import ShardedModel, follow
     from slipstream.weights import load_model
 
+    os.environ.setdefault("LOCAL_RANK", str(rank))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+    comm = _init_group(backend, torch.device(device), init_method, rank, world)
     try:
         loaded = load_model(model)
-        shard = ShardedModel(build_model(loaded.config, loaded.weights), Collectives())
+        shard = ShardedModel.from_weights(loaded.config, loaded.weights, comm, device)
         del loaded
         follow(shard)
     finally:
@@ -74,10 +86,12 @@ class TensorParallelGroup:
 
 def tensor_parallel_llm(model: str | None, config: Any, world: int,
                         progress: Callable[[str], None] | None = None) -> tuple[Any, TensorParallelGroup]:
-    """An `LLM` whose engine runs `model` split over `world` gloo ranks (this process is rank 0)."""
+    """An `LLM` whose engine runs `model` split over `world` ranks (this process is rank 0)."""
+    from unittest import mock
+
+    import slipstream.api
     from slipstream.api import LLM
-    from slipstream.distributed.tensor_parallel import Collectives, ShardedModel, TensorParallelModel
-    from slipstream.engine.engine import Engine
+    from slipstream.distributed.tensor_parallel import ShardedModel, TensorParallelModel, rank_device
 
     if world < 2:
         raise SlipstreamError("--tensor-parallel needs at least 2 ranks")
@@ -87,23 +101,30 @@ def tensor_parallel_llm(model: str | None, config: Any, world: int,
         raise SlipstreamError(f"--tensor-parallel runs the sharded eager step; --runtime {config.runtime} "
                               "does not apply")
     config = replace(config, runtime="eager")
+    backend, device = rank_device(world, 0)   # refuses too few GPUs before anything starts
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     threads = _threads(world)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_follower, args=(r, world, init_method, model, threads), daemon=True,
-                         name=f"slipstream-tp-{r}") for r in range(1, world)]
+    procs = [ctx.Process(target=_follower, args=(r, world, init_method, model, threads, backend,
+                                                 str(_device_of(device, r))),
+                         daemon=True, name=f"slipstream-tp-{r}") for r in range(1, world)]
     for p in procs:
         p.start()
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=world, timeout=IDLE_TIMEOUT)
-    try:
-        llm = LLM(model, config=replace(config, kv_cache_tokens=config.block_size * 4), progress=progress)
-        shard = ShardedModel(llm.model, Collectives())
-        tp = TensorParallelModel(shard)
+    comm = _init_group(backend, device, init_method, 0, world)
+    built: list[TensorParallelModel] = []
+
+    def build_sharded(cfg: Any, weights: dict[str, Any]) -> TensorParallelModel:
+        """`LLM`'s `build_model`: this rank's shard cut from the loader's weights (never the whole model)."""
+        built.append(TensorParallelModel(ShardedModel.from_weights(cfg, weights, comm, device)))
         if progress:
-            progress(f"sharded over {world} ranks")
-        llm.model = tp
-        llm.engine = Engine(tp, llm.tokenizer, config)
+            progress(f"sharded over {world} ranks ({backend}, {device})")
+        return built[0]
+
+    try:
+        with mock.patch.object(slipstream.api, "build_model", build_sharded):
+            llm = LLM(model, config=config, progress=progress)
+        tp = built[0]
     except BaseException:
         for p in procs:
             p.terminate()
@@ -111,3 +132,8 @@ def tensor_parallel_llm(model: str | None, config: Any, world: int,
             dist.destroy_process_group()
         raise
     return llm, TensorParallelGroup(tp, procs)
+
+
+def _device_of(rank0: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device when rank 0 is on `rank0`: cuda:r beside cuda:0, the CPU beside the CPU."""
+    return torch.device("cuda", rank) if rank0.type == "cuda" else rank0

@@ -1,7 +1,7 @@
-"""`--tensor-parallel 2` with gloo on the CPU: a tiny Llama, Qwen3, DeepSeek-V3 (MLA, MoE), DeepSeek-V3.2
-(MLA with DSA's indexer) and GLM-4.5 MoE (GQA) split over two processes give the greedy tokens of the
-unsplit model through the engine (rank 0 schedules, rank 1 follows its step descriptions) and logits
-within 1e-4."""
+"""`--tensor-parallel 2` with gloo on the CPU: a tiny Llama, Qwen3, Gemma 3, Gemma 2, Phi-3 (LongRoPE,
+partial rotary), DeepSeek-V3 (MLA, MoE), DeepSeek-V3.2 (MLA with DSA's indexer) and GLM-4.5 MoE (GQA)
+split over two processes give the greedy tokens of the unsplit model through the engine (rank 0
+schedules, rank 1 follows its step descriptions) and logits within 1e-4."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import tp_workers
 
-MODELS = ["llama", "qwen3", "deepseek_v3", "deepseek_v32", "glm4_moe"]
+MODELS = ["llama", "qwen3", "gemma3", "gemma2", "phi3", "deepseek_v3", "deepseek_v32", "glm4_moe"]
 ATOL = 1e-4
 
 

@@ -1,6 +1,7 @@
-"""What the tensor-parallel test runs in each of its ranks (spawned processes): tiny random models of
-the four families, built the same way on every rank from one seed, and the comparison rank 0 makes
-between the model and its sharded version (rank 0 drives an `Engine`; the other ranks follow)."""
+"""What the tensor-parallel test runs in each of its ranks (spawned processes): tiny random models
+(Llama, Qwen3, Gemma 3, Gemma 2, Phi-3, DeepSeek-V3, DeepSeek-V3.2, GLM-4.5 MoE), built the same way
+on every rank from one seed, and the comparison rank 0 makes between the model and its sharded version
+(rank 0 drives an `Engine`; the other ranks follow)."""
 from __future__ import annotations
 
 from typing import Any
@@ -100,8 +101,56 @@ def tiny_deepseek(kind: str, seed: int = 0) -> Any:
     return DeepseekModel(cfg, w)
 
 
-BUILDERS = {"llama": tiny_llama, "qwen3": tiny_llama, "deepseek_v3": tiny_deepseek, "deepseek_v32": tiny_deepseek,
-            "glm4_moe": tiny_deepseek}
+def _hf_config(kind: str) -> dict[str, Any]:
+    """Hugging Face configs of tiny Gemma 3, Gemma 2 and Phi-3 models with every feature their eager
+    step has: Gemma's GeGLU, (1 + w) post-norms, scaled embedding, attention scale, sliding windows
+    (6 tokens, shorter than the prompts), Gemma 3's local RoPE base and q/k norms, Gemma 2's attention
+    and final soft-capping; Phi-3's LongRoPE (the first prompt outgrows the original 16 positions and
+    takes the long factors, the second keeps the short ones) over half of each head (partial rotary)."""
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512)
+    if kind == "gemma3":
+        return dict(base, model_type="gemma3_text", num_hidden_layers=3, sliding_window=6, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"], rope_theta=1e6,
+                    rope_local_base_freq=1e4, tie_word_embeddings=True)
+    if kind == "gemma2":
+        return dict(base, model_type="gemma2", num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=1.5, final_logit_softcapping=2.5, tie_word_embeddings=True)
+    g = _g(1)
+    return dict(base, model_type="phi3", num_hidden_layers=3, max_position_embeddings=64, tie_word_embeddings=False,
+                rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                     original_max_position_embeddings=16,
+                                     short_factor=(1.0 + torch.rand(4, generator=g)).tolist(),
+                                     long_factor=(1.0 + 8 * torch.rand(4, generator=g)).tolist()))
+
+
+def tiny_dense(kind: str, seed: int = 0) -> Any:
+    """A random `LlamaModel` of the Gemma 3, Gemma 2 or Phi-3 config above (norms as loaded: Gemma's
+    with the 1 added, near 1)."""
+    from slipstream.config import ModelConfig
+    from slipstream.models.llama import LlamaModel
+    from slipstream.weights.layers import LlamaLayer
+    from slipstream.weights.quant import Linear
+
+    cfg = ModelConfig.from_hf(_hf_config(kind))
+    assert cfg.eager_only() is not None, kind   # the features a plain Llama step lacks
+    g = _g(seed)
+    H, KVH, D, Hd, Fd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    w: dict[str, Any] = {"embed": Linear.dense(_mat(g, VOCAB, Hd)), "norm": _norm(g, Hd)}
+    w["lm_head"] = w["embed"] if cfg.tie_word_embeddings else Linear.dense(_mat(g, VOCAB, Hd))
+    sandwich = cfg.sandwich_norms
+    for i in range(cfg.num_layers):
+        w[f"layers.{i}"] = LlamaLayer(
+            attn_norm=_norm(g, Hd), ffn_norm=_norm(g, Hd), qkv=Linear.dense(_mat(g, (H + 2 * KVH) * D, Hd)),
+            o=Linear.dense(_mat(g, Hd, H * D)), gate_up=Linear.dense(_mat(g, 2 * Fd, Hd)),
+            down=Linear.dense(_mat(g, Hd, Fd)), q_norm=_norm(g, D) if cfg.qk_norm else None,
+            k_norm=_norm(g, D) if cfg.qk_norm else None, post_attn_norm=_norm(g, Hd) if sandwich else None,
+            post_ffn_norm=_norm(g, Hd) if sandwich else None)
+    return LlamaModel(cfg, w)
+
+
+BUILDERS = {"llama": tiny_llama, "qwen3": tiny_llama, "gemma3": tiny_dense, "gemma2": tiny_dense, "phi3": tiny_dense,
+            "deepseek_v3": tiny_deepseek, "deepseek_v32": tiny_deepseek, "glm4_moe": tiny_deepseek}
 
 
 class _Detok:
