@@ -129,6 +129,25 @@ def _endpoint(S: AppState, route: Any) -> Any:
     return endpoint
 
 
+async def _api_error(request: Request, e: Exception) -> Response:
+    assert isinstance(e, APIError)
+    return Response(json_error_bytes(e.body()), status_code=e.status, media_type="application/json",
+                    headers=e.headers)
+
+
+async def _http_error(request: Request, e: Exception) -> Response:
+    """Starlette's own 404 / 405 (no such route, wrong method) as OpenAI-shaped errors."""
+    assert isinstance(e, StarletteHTTPException)
+    if e.status_code == 404:
+        msg, code = f"Invalid URL ({request.method} {request.url.path[:200]})", "not_found"
+    elif e.status_code == 405:
+        msg, code = f"Method {request.method} is not allowed on {request.url.path[:200]}", "method_not_allowed"
+    else:
+        msg, code = str(e.detail), None
+    return Response(json_error_bytes(error_body(msg, "invalid_request_error", None, code)),
+                    status_code=e.status_code, media_type="application/json", headers=getattr(e, "headers", None))
+
+
 def build_app(llm: Any, config: ServerConfig | None = None, *, served_model_name: str | None = None,
               api_key: str | None = None, drain_timeout: float | None = None) -> Starlette:
     """The ASGI app over `llm` (a `slipstream.LLM`). Its lifespan starts the engine thread and, at
@@ -161,24 +180,8 @@ def build_app(llm: Any, config: ServerConfig | None = None, *, served_model_name
     routes = [Route(path, _endpoint(S, fn), methods=[method]) for method, path, fn in ROUTES]
     routes += [Route("/openapi.json", openapi, methods=["GET"]), Route("/docs", swagger, methods=["GET"])]
 
-    async def api_error(request: Request, e: Exception) -> Response:
-        assert isinstance(e, APIError)
-        return Response(json_error_bytes(e.body()), status_code=e.status, media_type="application/json",
-                        headers=e.headers)
-
-    async def http_error(request: Request, e: Exception) -> Response:
-        assert isinstance(e, StarletteHTTPException)
-        if e.status_code == 404:
-            msg, code = f"Invalid URL ({request.method} {request.url.path[:200]})", "not_found"
-        elif e.status_code == 405:
-            msg, code = f"Method {request.method} is not allowed on {request.url.path[:200]}", "method_not_allowed"
-        else:
-            msg, code = str(e.detail), None
-        return Response(json_error_bytes(error_body(msg, "invalid_request_error", None, code)),
-                        status_code=e.status_code, media_type="application/json", headers=getattr(e, "headers", None))
-
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: api_error, StarletteHTTPException: http_error})
+                    exception_handlers={APIError: _api_error, StarletteHTTPException: _http_error})
     app.state.server = S
     app.add_middleware(RequestGuard, config=config)
     app.add_middleware(PageRouter, config=config, page=ChatPage())
