@@ -29,34 +29,30 @@ ERROR_SCHEMA = {
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
          "properties": {k: {"type": "integer", "minimum": 0}
                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-CHAT_RESPONSE = {
-    "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": {"$ref": "#/components/schemas/Usage"},
-        "choices": {"type": "array", "items": {
-            "type": "object", "required": ["index", "message", "finish_reason"],
-            "properties": {"index": {"type": "integer"},
-                           "message": {"type": "object", "required": ["role", "content"],
-                                       "properties": {"role": {"const": "assistant"},
-                                                      "content": {"type": ["string", "null"]},
-                                                      "reasoning_content": {"type": "string"},
-                                                      "tool_calls": {"type": "array", "items": {
-                                                          "$ref": "#/components/schemas/ToolCallOut"}}}},
-                           "finish_reason": {"enum": ["stop", "length", "abort", "tool_calls"]},
-                           "logprobs": {"type": ["object", "null"]}}}}},
-}
-COMPLETION_RESPONSE = {
-    "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-    "properties": {
-        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "usage": {"$ref": "#/components/schemas/Usage"},
-        "choices": {"type": "array", "items": {
-            "type": "object", "required": ["index", "text", "finish_reason"],
-            "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
-                           "finish_reason": {"enum": ["stop", "length", "abort"]},
-                           "logprobs": {"type": ["object", "null"]}}}}},
-}
+
+
+def _generation(obj: str, content: str, content_schema: dict[str, Any], finish_reasons: list[str]) -> dict[str, Any]:
+    """A generation's JSON response (chat and completions): the head, usage, and choices holding `content`."""
+    return {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "usage": {"$ref": "#/components/schemas/Usage"},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", content, "finish_reason"],
+                "properties": {"index": {"type": "integer"}, content: content_schema,
+                               "finish_reason": {"enum": finish_reasons},
+                               "logprobs": {"type": ["object", "null"]}}}}},
+    }
+
+
+CHAT_RESPONSE = _generation("chat.completion", "message", {
+    "type": "object", "required": ["role", "content"],
+    "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                   "reasoning_content": {"type": "string"},
+                   "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/ToolCallOut"}}}},
+    ["stop", "length", "abort", "tool_calls"])
+COMPLETION_RESPONSE = _generation("text_completion", "text", {"type": "string"}, ["stop", "length", "abort"])
 TOOL_CALL_OUT = {"type": "object", "required": ["id", "type", "function"],
                  "properties": {"id": {"type": "string"}, "type": {"const": "function"},
                                 "function": {"type": "object", "required": ["name", "arguments"],
