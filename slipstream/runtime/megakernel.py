@@ -27,6 +27,7 @@ from slipstream.runtime.buckets import BucketedDecoder
 from slipstream.runtime.plan import (
     LAYER,
     OP,
+    PLAN_VERSION,
     T0,
     T1,
     WAIT_COUNT,
@@ -310,8 +311,8 @@ class MegakernelDecoder(BucketedDecoder):
     def plan_for(self, batch: int, context: int) -> Plan:
         """The plan of one (batch, context) bucket: the artifact's when it fits, else compiled now."""
         plan = self.plans.get((batch, context))
-        if isinstance(plan, (str, Path)):   # from a compiled artifact
-            plan = Plan.load(plan)
+        if isinstance(plan, (str, Path)):   # from a compiled artifact (an older format's plan: compiled now)
+            plan = Plan.load(plan) if Plan.file_version(plan) == PLAN_VERSION else None
         if plan is None or not self._usable(plan, context):
             plan = compile_plan(self.model.cfg, batch, context, self.kv.block_size, self.layout,
                                 self.tiles_for(context))

@@ -185,6 +185,12 @@ def test_plan_save_load_round_trip(tmp_path):
     doc["tasks"][5][T1] += 1
     path.write_text(json.dumps(doc))
     assert Plan.load(path) != plan
+    # a plan saved before QKV tasks covered rotation pairs (format 1) is refused, not misread
+    doc["version"] = 1
+    path.write_text(json.dumps(doc))
+    assert Plan.file_version(path) == 1
+    with pytest.raises(PlanError, match="recompile"):
+        Plan.load(path)
 
 
 # -- weights --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from slipstream.runtime.plan.format import (
     N_OFF,
     NUM_COLS,
     OP,
+    PLAN_VERSION,
     SIG_EV,
     T0,
     T1,
@@ -46,7 +47,7 @@ from slipstream.runtime.plan.inputs import fill_inputs, new_buffers
 from slipstream.runtime.plan.packing import pack_weights, share_weights, supports
 from slipstream.runtime.plan.validator import validate
 
-__all__ = ["AUX", "COLUMNS", "LAYER", "LAYER_OPS", "LAYER_WEIGHTS", "N_OFF", "NUM_COLS", "OP", "SIG_EV", "T0", "T1",
-           "W_OFF", "WAIT_COUNT", "WAIT_EV", "WEIGHT_ALIGN", "ActLayout", "IntLayout", "Op", "Plan", "PlanError",
-           "TileConfig", "WeightLayout", "cdiv", "compile_plan", "default_tiles", "describe_task", "fill_inputs",
-           "new_buffers", "pack_weights", "share_weights", "supports", "tile_ranges", "validate"]
+__all__ = ["AUX", "COLUMNS", "LAYER", "LAYER_OPS", "LAYER_WEIGHTS", "N_OFF", "NUM_COLS", "OP", "PLAN_VERSION",
+           "SIG_EV", "T0", "T1", "W_OFF", "WAIT_COUNT", "WAIT_EV", "WEIGHT_ALIGN", "ActLayout", "IntLayout", "Op",
+           "Plan", "PlanError", "TileConfig", "WeightLayout", "cdiv", "compile_plan", "default_tiles", "describe_task",
+           "fill_inputs", "new_buffers", "pack_weights", "share_weights", "supports", "tile_ranges", "validate"]

@@ -44,6 +44,9 @@ from slipstream.kernels.triton.task_table import (
     Op,
 )
 
+PLAN_VERSION = 2
+"""Saved plans' format version. 2: QKV_ROPE tasks cover rotation pairs [T0, T1) of one head (1: a head)."""
+
 
 class PlanError(ValueError):
     """A plan that would deadlock, race or leave outputs unwritten."""
@@ -244,15 +247,22 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """One JSON file: the metadata and the task table as a nested list (exact round trip)."""
-        doc = {"format": "slipstream-plan", "version": 1, **self._meta(), "columns": list(COLUMNS),
+        doc = {"format": "slipstream-plan", "version": PLAN_VERSION, **self._meta(), "columns": list(COLUMNS),
                "tasks": self.tasks.tolist()}
         Path(path).write_text(json.dumps(doc, separators=(",", ":")))
+
+    @staticmethod
+    def file_version(path: str | Path) -> int | None:
+        """The format version of a saved plan (None when the file is not a plan)."""
+        doc = json.loads(Path(path).read_text())
+        return doc.get("version") if doc.get("format") == "slipstream-plan" else None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         doc = json.loads(Path(path).read_text())
-        if doc.get("format") != "slipstream-plan" or doc.get("version") != 1:
-            raise PlanError(f"{path}: not a version-1 slipstream plan")
+        if doc.get("format") != "slipstream-plan" or doc.get("version") != PLAN_VERSION:
+            raise PlanError(f"{path}: not a version-{PLAN_VERSION} slipstream plan (version "
+                            f"{doc.get('version')}: recompile it with `slipstream compile`)")
         if doc["columns"] != list(COLUMNS):
             raise PlanError(f"{path}: unexpected task columns {doc['columns']}")
         meta = {k: v for k, v in doc.items() if k not in ("format", "version", "columns", "tasks")}
@@ -280,6 +290,6 @@ def describe_task(plan: Plan, i: int) -> str:
     return task_text(i, plan.tasks[i].tolist())
 
 
-__all__ = ["AUX", "COLUMNS", "LAYER", "LAYER_OPS", "LAYER_WEIGHTS", "N_OFF", "NUM_COLS", "OP", "SIG_EV", "T0",
-           "T1", "W_OFF", "WAIT_COUNT", "WAIT_EV", "WEIGHT_ALIGN", "ActLayout", "IntLayout", "Op", "Plan",
-           "PlanError", "TileConfig", "WeightLayout", "cdiv", "describe_task", "task_text", "weight_shapes"]
+__all__ = ["PLAN_VERSION", "AUX", "COLUMNS", "LAYER", "LAYER_OPS", "LAYER_WEIGHTS", "N_OFF", "NUM_COLS", "OP",
+           "SIG_EV", "T0", "T1", "W_OFF", "WAIT_COUNT", "WAIT_EV", "WEIGHT_ALIGN", "ActLayout", "IntLayout", "Op",
+           "Plan", "PlanError", "TileConfig", "WeightLayout", "cdiv", "describe_task", "task_text", "weight_shapes"]
