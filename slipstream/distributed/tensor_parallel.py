@@ -22,9 +22,10 @@ O and DOWN products are `RowParallelLinear`s (all-reduce) and whose embedding an
 `DeepseekModel` over its shards and its sharded forward calls that model's RoPE, attention, MLA,
 router and MLP functions, adding the collectives.
 
-Ranks cut their shards from the loader's weights (`ShardedModel.from_weights`): rows of packed or
-memory-mapped weights are selected before they are dequantized, columns dequantized a few rows at a
-time, so no rank holds a float32 copy of the whole model. On CUDA machines the group is NCCL with
+Ranks cut their shards from the loader's weights (`ShardedModel.from_weights`) and keep them as
+stored: packed weights stay packed (rows selected; columns cut on block boundaries, or dequantized a
+few rows at a time where a cut falls inside a block), so no rank holds a float32 copy of the whole
+model, and each full weight is dropped as soon as its shard exists. On CUDA machines the group is NCCL with
 rank r on cuda:LOCAL_RANK and its shard there in bf16 (`rank_device`); rank 0's step descriptions
 travel over a gloo group beside it.
 
@@ -47,7 +48,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
 from slipstream.models.base import Model
 from slipstream.step import StepInput
-from slipstream.weights.quant import Linear
+from slipstream.weights.quant import RAW_TYPES, Linear
 
 
 def _span(n: int, world: int, rank: int, what: str) -> tuple[int, int]:
@@ -161,27 +162,51 @@ class VocabParallelLinear(Linear):
         return out.add_(y) if accumulate else out.copy_(y)
 
 
-ROW_CHUNK = 256   # rows dequantized at a time when a packed weight is split by columns
+ROW_CHUNK = 256   # rows dequantized at a time when a packed weight cannot be cut by columns in place
 
 
-def _rows(w: Linear, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a weight as float32, without materializing the others (a packed or memory-mapped
-    weight is cut before it is dequantized)."""
+def _rows(w: Linear, rows: torch.Tensor) -> Linear:
+    """Rows of a weight (with their bias), kept as stored: a packed or memory-mapped weight is cut,
+    never dequantized whole."""
     if not w.packed:
-        return w.data[rows].to(torch.float32)
-    return w.select_rows(rows).dequantize().to(torch.float32)
+        return Linear.dense(w.data[rows], _bias(w, rows))
+    return w.select_rows(rows)
 
 
-def _cols(w: Linear, c0: int, c1: int) -> torch.Tensor:
-    """Columns [c0, c1) of a weight as float32 [N, c1 - c0]; a packed weight is dequantized
-    `ROW_CHUNK` rows at a time, so only the shard and one chunk are ever float32."""
+def _block_cols(w: Linear, c0: int, c1: int) -> Linear | None:
+    """Columns [c0, c1) of a packed weight as a packed weight, when they start and end on its blocks
+    (32 weights for Q4_0/Q4_1/Q8_0/Q4_K's layout, the block of a raw GGUF type); else None."""
+    if w.parts or w.fmt is None:
+        return None
+    if w.raw:
+        _, qk, bb = RAW_TYPES[w.fmt]
+        if c0 % qk or c1 % qk:
+            return None
+        return Linear(w.n, c1 - c0, w.data[:, c0 // qk * bb:c1 // qk * bb].contiguous(), w.fmt)
+    if c0 % 32 or c1 % 32 or w.scale is None:
+        return None
+    per = w.data.shape[1] // (w.k // 32)    # code bytes per block of 32
+    pick = lambda t: None if t is None else t[:, c0 // 32:c1 // 32].contiguous()  # noqa: E731
+    return Linear(w.n, c1 - c0, w.data[:, c0 // 32 * per:c1 // 32 * per].contiguous(), w.fmt,
+                  pick(w.scale), pick(w.min))
+
+
+def _cols(w: Linear, c0: int, c1: int, bias: bool) -> Linear:
+    """Columns [c0, c1) of a weight (the bias only where `bias`: rank 0 of a row-parallel product):
+    packed blocks cut in place where the columns align with them, else float32, dequantized
+    `ROW_CHUNK` rows at a time (only the shard and one chunk are ever float32)."""
+    b = _bias(w) if bias else None
+    cut = _block_cols(w, c0, c1)
+    if cut is not None:
+        cut.bias = b
+        return cut
     if not w.packed:
-        return w.data[:, c0:c1].to(torch.float32).contiguous()
+        return Linear.dense(w.data[:, c0:c1], b)
     out = torch.empty(w.n, c1 - c0, dtype=torch.float32)
     for r in range(0, w.n, ROW_CHUNK):
         rows = torch.arange(r, min(w.n, r + ROW_CHUNK))
         out[r:r + rows.numel()] = w.dequantize(rows)[:, c0:c1]
-    return out
+    return Linear.dense(out, b)
 
 
 def _bias(w: Linear, rows: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -199,9 +224,10 @@ def _refuse_moe(cfg: Any) -> None:
 
 def shard_llama_weights(cfg: Any, weights: dict[str, Any], world: int, rank: int) -> tuple[Any, dict[str, Any], int]:
     """(local config, local weights, first vocabulary row) of rank `rank`: its heads, FFN features and
-    vocabulary rows as dense float32 `Linear`s, cut from the loader's weights (packed or
-    memory-mapped ones are cut before they are dequantized). Entries of `weights` are removed as they
-    are sharded, so each full weight can be freed as soon as its shard exists."""
+    vocabulary rows cut from the loader's weights and kept as stored (packed weights stay packed; a
+    column cut that does not fall on their blocks becomes float32, dequantized a few rows at a time).
+    Entries of `weights` are removed as they are sharded, so each full weight can be freed as soon as
+    its shard exists."""
     _refuse_moe(cfg)
     H, KVH, D, Fd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     h0, h1 = _span(H, world, rank, "attention heads")
@@ -218,15 +244,13 @@ def shard_llama_weights(cfg: Any, weights: dict[str, Any], world: int, rank: int
     for i in range(cfg.num_layers):
         L = weights.pop(f"layers.{i}")
         out[f"layers.{i}"] = dataclasses.replace(
-            L, qkv=Linear.dense(_rows(L.qkv, qkv_rows), _bias(L.qkv, qkv_rows)),
-            o=Linear.dense(_cols(L.o, h0 * D, h1 * D), _bias(L.o) if rank == 0 else None),
-            gate_up=Linear.dense(_rows(L.gate_up, gu_rows), _bias(L.gate_up, gu_rows)),
-            down=Linear.dense(_cols(L.down, f0, f1), _bias(L.down) if rank == 0 else None))
+            L, qkv=_rows(L.qkv, qkv_rows), o=_cols(L.o, h0 * D, h1 * D, rank == 0),
+            gate_up=_rows(L.gate_up, gu_rows), down=_cols(L.down, f0, f1, rank == 0))
         del L
     vocab = torch.arange(v0, v1)
     embed, head = weights.pop("embed"), weights.pop("lm_head")
-    out["embed"] = Linear.dense(_rows(embed, vocab))
-    out["lm_head"] = out["embed"] if head is embed else Linear.dense(_rows(head, vocab), _bias(head, vocab))
+    out["embed"] = _rows(embed, vocab)
+    out["lm_head"] = out["embed"] if head is embed else _rows(head, vocab)
     local_cfg = replace(cfg, num_heads=H // world, num_kv_heads=KVH // world, intermediate_size=Fd // world)
     return local_cfg, out, v0
 
@@ -398,6 +422,19 @@ def control_group() -> Any:
     return None
 
 
+def _trim_heap() -> None:
+    """Hands the heap the whole weights occupied back to the OS once only the shard is left (glibc
+    keeps freed memory otherwise)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
 class ShardedModel:
     """This rank's part of a model and its sharded forward: the Llama family runs the model's own
     `DecoderModel.forward` over local weights wired to the collectives; the DeepSeek family its
@@ -432,6 +469,7 @@ class ShardedModel:
             else:
                 local_cfg, local_w, lo = shard_llama_weights(cfg, weights, comm.world, comm.rank)
                 self._place_llama(LlamaModel(local_cfg, local_w), lo)
+        _trim_heap()
         return self
 
     def _setup(self, cfg: Any, comm: Collectives, device: torch.device | str) -> None:
