@@ -12,6 +12,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.blocks import SequenceKV
+from slipstream.runtime.registry import prefill_capacity
 from slipstream.step import prefill_step
 
 GREEDY = dict(temperature=0)
@@ -246,13 +247,18 @@ def test_logprobs(llm):
         assert len(set(ids)) == 3 and list(vals) == sorted(vals, reverse=True)
         # greedy: the sampled token is the best alternative
         assert ids[0] == tok and lp.logprob == pytest.approx(vals[0], abs=1e-6)
-    # the first logprob is the model's log-softmax after the prompt
+    # the first logprob is the model's log-softmax after the prompt, computed where the engine computed
+    # it: the runtime's own step when the prompt fits its prefill capacity, else the eager step
     ids = out.prompt_token_ids
     n = len(ids)
-    kv = llm.model.new_kv_cache(-(-n // 16))
-    seq = SequenceKV(kv)
+    eng = llm.engine
+    seq = SequenceKV(eng.kv)
     seq.reserve(n)
-    logits = llm.model.forward(prefill_step(seq, ids), kv)
+    try:
+        step = prefill_step(seq, ids)
+        logits = eng.runtime.forward(step) if n <= prefill_capacity(eng.runtime) else llm.model.forward(step, eng.kv)
+    finally:
+        seq.release()
     logp = torch.log_softmax(logits[0].float(), -1)
     assert out.logprobs[0].logprob == pytest.approx(logp[out.token_ids[0]].item(), abs=1e-4)
     for t, v in out.logprobs[0].top:
