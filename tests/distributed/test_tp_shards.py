@@ -35,6 +35,17 @@ def packed(qt: "gguf.GGMLQuantizationType", seed: int = 0) -> Linear:
     return w
 
 
+def assert_products(cut: Linear) -> None:
+    """The cut runs through the kernels as any weight (one row: the native matvec; 40: the dense
+    path) and matches a float64 product over its dequantized values."""
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 40):
+        x = torch.randn(rows, cut.k, generator=g)
+        ref = x.double() @ cut.dequantize().double().T + (0 if cut.bias is None else cut.bias.double())
+        err = (cut(x).double() - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), (rows, err)
+
+
 FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.F16, QT.Q6_K]
 
 
@@ -46,6 +57,7 @@ def test_rows_stay_packed_and_equal_the_slice(qt):
     assert cut.packed and cut.n == 5
     assert torch.equal(cut.dequantize(), w.dequantize()[rows])
     assert torch.equal(cut.bias, w.bias[rows])
+    assert_products(cut)
 
 
 @pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
@@ -58,6 +70,7 @@ def test_columns_equal_the_slice(qt, c0, c1):
     assert (cut.n, cut.k) == (N, c1 - c0)
     assert torch.equal(cut.dequantize(), w.dequantize()[:, c0:c1])
     assert (cut.bias is not None) == (c0 == 0)   # a row-parallel bias: rank 0's alone
+    assert_products(cut)
 
 
 def test_misaligned_columns_are_dequantized_in_chunks(monkeypatch):
