@@ -122,8 +122,12 @@ def tensor_parallel_llm(model: str | None, config: Any, world: int,
         return built[0]
 
     try:
+        # LLM loads the checkpoint and builds its engine as usual; only its model is this rank's shard
+        # (api.LLM has no way to take a model built elsewhere yet)
         with mock.patch.object(slipstream.api, "build_model", build_sharded):
             llm = LLM(model, config=config, progress=progress)
+        if not built or llm.model is not built[0]:
+            raise SlipstreamError("internal: LLM did not build its model through slipstream.api.build_model")
         tp = built[0]
     except BaseException:
         for p in procs:
