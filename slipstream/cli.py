@@ -60,7 +60,14 @@ BATCH_FLAGS: dict[str, dict] = {
     "prefill_chunk": dict(type=int, default=512, help="prompt tokens per prefill step"),
     "prefill_budget": dict(type=int, default=64,
                            help="prompt tokens in a step that also decodes: bounds how long a running stream "
-                                "waits behind a burst of new prompts (default 64; = --prefill-chunk for no bound)"),
+                                "waits behind a burst of new prompts (default 64; = --prefill-chunk for no bound); "
+                                "with --prefill-pacing, its first guess"),
+    "prefill_pacing": dict(type=lambda s: _factor_or_off(s), default=2.5,
+                           metavar="FACTOR",
+                           help="size the prompt tokens of a step that also decodes from measured step times, so "
+                                "that it takes at most FACTOR decode-only steps' time: a running stream's "
+                                "inter-token latency stays within FACTOR x its idle one while a burst of prompts "
+                                "is prefilled (default 2.5; off: the fixed --prefill-budget)"),
     "kv_cache_tokens": dict(type=int, default=None, help="KV-cache size in tokens"),
 }
 
@@ -83,6 +90,17 @@ SERVER_FLAGS: dict[str, dict] = {
     "max_connections": dict(type=int, default=1024,
                             help="most open connections; past it new ones get 503 and are closed"),
 }
+
+
+def _factor_or_off(s: str) -> float | str | None:
+    """A --prefill-pacing value: a number, or off (anything else is left for EngineConfig to refuse
+    in one line)."""
+    if s.lower() in ("off", "none", "0"):
+        return None
+    try:
+        return float(s)
+    except ValueError:
+        return s
 
 
 def _flag(field: str) -> str:

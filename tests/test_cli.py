@@ -302,3 +302,8 @@ def test_generate_max_tokens_zero_plain():
 def test_bad_max_model_len(value):
     _assert_one_line_error(run_cli("generate", "--max-model-len", value, "-p", "Hello", "--max-tokens", "4"),
                            ["max"])
+
+
+@pytest.mark.parametrize("value,words", [("1", ["pacing", "> 1"]), ("fast", ["pacing", "number > 1 (or off)", "fast"])])
+def test_bad_prefill_pacing(value, words):
+    _assert_one_line_error(run_cli("serve", "--prefill-pacing", value, "--port", "1"), words)

@@ -34,6 +34,9 @@ class EngineConfig:
     prefill_chunk: int = 512              # prompt tokens per prefill step
     prefill_budget: int | None = None     # prompt tokens in a step that also decodes (None: prefill_chunk);
                                           # bounds how long a running stream waits behind a burst of prompts
+    prefill_pacing: float | None = None   # size that budget from measured step times instead, so a step that
+                                          # decodes takes at most this many decode-only steps' time (> 1;
+                                          # prefill_budget is then the first guess); None: the fixed budget
     max_waiting: int | None = None        # most requests queued for a batch slot (None: no limit)
     runtime: str = "auto"                 # decode-step executor, by registry name (runtime/registry.py)
     enable_prefix_cache: bool = True
@@ -65,6 +68,9 @@ class EngineConfig:
         integer("prefill_chunk", 1)
         integer("prefill_budget", 1, optional=True)
         integer("max_waiting", 1, optional=True)
+        p = self.prefill_pacing
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 1):
+            raise EngineConfigError("prefill_pacing", f"must be a number > 1 (or off), got {p!r}")
         integer("num_speculative_tokens", 1, 16)
         integer("speculative_max_batch", 0)
         if self.runtime not in runtime_names():

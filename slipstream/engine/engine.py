@@ -110,9 +110,8 @@ class Engine:
                                        config.speculative_max_batch, self.max_model_len, self.vocab_size)
         self.merger = Merger(self.scheduler, config.enable_merging)
         # prompt tokens per decoding step sized from measured step times (EngineConfig.prefill_pacing)
-        pacing = getattr(config, "prefill_pacing", None)
-        self.pacer = None if pacing is None else PrefillPacer(
-            factor=pacing, initial=config.prefill_budget or 16, ceiling=config.prefill_chunk)
+        self.pacer = None if config.prefill_pacing is None else PrefillPacer(
+            factor=config.prefill_pacing, initial=config.prefill_budget or 16, ceiling=config.prefill_chunk)
         self.requests: dict[str, Request] = {}     # in flight, followers included
         self._pending: list[StepEvent] = []        # produced outside a step, returned by the next
 

@@ -52,3 +52,33 @@ def test_floor_ceiling_and_prefill_only_steps():
 def test_bad_settings(bad):
     with pytest.raises(ValueError):
         PrefillPacer(**bad)
+
+
+def test_the_engine_paces_prompt_work_beside_a_stream():
+    """Through the engine: with pacing on, a step that decodes gets fewer prompt tokens than the first
+    guess once steps have been measured (64 prompt rows cost far more than 2x a one-row decode step on
+    any machine), and the running stream still gets a token every step."""
+    from support import engine, skip_unless_default_model
+    skip_unless_default_model()
+    from test_engine import PROMPTS, SYSTEM, greedy, ids
+
+    from slipstream import LLM
+    from slipstream.engine.request import Request
+    llm = LLM(kv_cache_tokens=4096)
+    e = engine(llm, prefill_chunk=512, prefill_budget=64, prefill_pacing=2.0)
+    assert e.pacer is not None and e.pacer.budget() == 64
+    first = Request(ids(llm, PROMPTS[0]), greedy(400, ignore_eos=True))
+    e.add_request(first)
+    for _ in range(4):                       # decode-only steps: the pacer learns what a step costs
+        e.step()
+    prompts = [Request(ids(llm, SYSTEM + f"Question {i}: explain undefined behaviour."), greedy(2)) for i in range(3)]
+    for r in prompts:
+        e.add_request(r)
+    budgets = []
+    while not all(r.output_ids for r in prompts):
+        produced = len(first.output_ids)
+        e.step()
+        budgets.append(e.scheduler.prefill_budget)
+        assert len(first.output_ids) == produced + 1, "the running stream waited behind the prefill"
+    assert budgets[0] == 64 and min(budgets) < 64
+    assert e.pacer.decode_s is not None and e.pacer.per_token_s is not None
