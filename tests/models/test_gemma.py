@@ -155,14 +155,6 @@ def test_greedy_matches_generate(pair):
     assert ours == gen
 
 
-def test_tensor_parallelism_refuses_it(pair):
-    """The sharded forward is Llama's layer loop: it must refuse Gemma 3 instead of computing it wrongly."""
-    from slipstream.distributed.tensor_parallel import _shard_llama
-    from slipstream.errors import SlipstreamError
-    with pytest.raises(SlipstreamError, match="Gemma 3"):
-        _shard_llama(pair[1], 2, 0)
-
-
 @pytest.mark.parametrize("exact", [True, False])
 def test_native_step_matches_transformers(pair, exact):
     """The native CPU step (runtime/cpu_team.py) on Gemma 3: GELU GLU, post-norms through their own tasks,

@@ -269,13 +269,6 @@ def test_plain_phi3_runs_on_the_native_runtime(tmp_path):
     assert windowed.layer_types == ("sliding", "sliding") and "sliding" in (windowed.eager_only() or "")
 
 
-def test_tensor_parallelism_refuses_it(pair):
-    from slipstream.distributed.tensor_parallel import _shard_llama
-    from slipstream.errors import SlipstreamError
-    with pytest.raises(SlipstreamError, match="Phi-3"):
-        _shard_llama(pair[1], 2, 0)
-
-
 def test_transformers_v4_configs():
     """Phi-3.5-mini and Phi-4-mini config.json as transformers 4.x wrote them (rope_scaling of type
     longrope, partial_rotary_factor at the top)."""
