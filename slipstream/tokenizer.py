@@ -166,6 +166,23 @@ class Tokenizer:
         # Set for GGUF llama vocabularies with add_space_prefix; see `encode`.
         self._dummy_prefix_for_leading_space = False
 
+    @property
+    def dummy_prefix_for_leading_space(self) -> bool:
+        """GGUF llama vocabularies with add_space_prefix: a text that starts with a space keeps it."""
+        return self._dummy_prefix_for_leading_space
+
+    @dummy_prefix_for_leading_space.setter
+    def dummy_prefix_for_leading_space(self, on: bool) -> None:
+        self._dummy_prefix_for_leading_space = bool(on)
+
+    @property
+    def add_special_tokens(self) -> tuple[bool | None, bool | None]:
+        """(add_bos_token, add_eos_token) as this tokenizer was built with them: (None, None) when
+        tokenizer.json's post-processor decides (what `Tokenizer(...)` takes back)."""
+        if self._use_post_processor:
+            return None, None
+        return self._add_bos, self._add_eos
+
     # ---------------------------------------------------------------- construction: GGUF
     @classmethod
     def from_gguf(cls, source: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
@@ -451,7 +468,7 @@ class IncrementalDetokenizer:
 # -------------------------------------------------------------------- GGUF -> tokenizers
 
 
-def _gpt2_byte_alphabet() -> dict[int, str]:
+def gpt2_byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies:
     printable Latin-1 bytes stand for themselves, the rest are moved to U+0100 and up."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
@@ -470,7 +487,7 @@ def _byte_level_bpe(
     tokens: list[str], types: list[int], merges: list[str] | None, pre: str | None
 ) -> tuple[_HFTokenizer, list[str]]:
     """GPT-2-style byte-level BPE from a `gpt2` GGUF vocabulary."""
-    table = _gpt2_byte_alphabet()
+    table = gpt2_byte_alphabet()
     alphabet = set(table.values())
     # Vocabulary entries are spelled in the byte alphabet. A rare converter writes a normal token
     # as raw text: respell it. Control/user-defined tokens stay raw, so that registering them as

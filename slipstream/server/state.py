@@ -37,8 +37,8 @@ class TokenText:
         self._byte_of: dict[str, int] | None = None
         decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)
         if type(decoder).__name__ == "ByteLevel":
-            from slipstream.tokenizer import _gpt2_byte_alphabet
-            self._byte_of = {c: b for b, c in _gpt2_byte_alphabet().items()}
+            from slipstream.tokenizer import gpt2_byte_alphabet
+            self._byte_of = {c: b for b, c in gpt2_byte_alphabet().items()}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         hit = self._cache.get(token_id)

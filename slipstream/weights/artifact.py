@@ -102,6 +102,6 @@ def load_artifact(path: Path):
                     pad_token=t["pad_token"], add_bos_token=t["add_bos_token"], add_eos_token=t["add_eos_token"],
                     eos_token_ids=t["eos_token_ids"], chat_templates=t["chat_templates"],
                     clean_up_tokenization_spaces=t["clean_up_tokenization_spaces"])
-    tok._dummy_prefix_for_leading_space = t["dummy_prefix_for_leading_space"]
+    tok.dummy_prefix_for_leading_space = t["dummy_prefix_for_leading_space"]
     return LoadedModel(path, cfg, weights, tok, manifest.get("name") or path.name,
                        runtime_hints=load_runtime_hints(path, manifest))
