@@ -3,7 +3,8 @@
 A bitmask row holds one bit per vocabulary entry (int32 words, bit t%32 of word t//32, llguidance's
 layout). `fill_masks` fills the rows of the requests that carry a matcher; `MaskJob` does the same
 on a helper thread so that the masks are computed while a GPU runs the decode step (the grammar
-library releases the GIL); `apply_masks` / `masked_copy` set the forbidden logits of those rows to -inf.
+library releases the GIL); `apply_masks` / `masked_copy` set the forbidden logits of those rows to -inf;
+`constrained_logits` is what the sampler sees: masks filled and applied only for the rows that need them.
 
 Everything here runs in numpy on the calling thread, never in torch ops: on the CPU runtime the engine
 thread does this work right after a decode step, and any torch op that goes parallel (an indexing
