@@ -49,7 +49,9 @@ class _Views:
         self.inv_freq = inv_freq.to(torch.float32)
         self.x = A[a.x:a.x + B * plan.hidden_size].view(B, plan.hidden_size)
         self.q = A[a.q:a.q + B * H * D].view(B, H, D)
-        self.part_acc = A[a.part_acc:a.part_acc + B * H * S * D].view(B, H, S, D)
+        # stored [B, H, D, S] (splits innermost: the megakernel's reduce sums them within a warp),
+        # indexed [b, head, split, d]
+        self.part_acc = A[a.part_acc:a.part_acc + B * H * S * D].view(B, H, D, S).transpose(2, 3)
         self.part_m = A[a.part_m:a.part_m + B * H * S].view(B, H, S)
         self.part_l = A[a.part_l:a.part_l + B * H * S].view(B, H, S)
         self.attn = A[a.attn:a.attn + B * H * D].view(B, H * D)

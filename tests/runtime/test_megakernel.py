@@ -34,16 +34,20 @@ def _prefill(model, kv, seq: SequenceKV, prompt: list[int]) -> int:
     return int(model.forward(prefill_step(seq, prompt), kv).argmax())
 
 
-@pytest.mark.parametrize("prompts,prefetch", [
-    ([[3, 1, 4, 1, 5, 9, 2]], 0),
-    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 0),
-    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7]], 2),     # every task first reads its weights (L2 prefetch)
+@pytest.mark.parametrize("prompts,prefetch,block", [
+    ([[3, 1, 4, 1, 5, 9, 2]], 0, BLOCK),
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 0, BLOCK),
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [7, 7]], 2, BLOCK),     # every task first reads its weights (L2 prefetch)
+    # other KV block sizes under the attention split's 8-token steps: not a power of two (3), and
+    # larger than a step (16); BLOCK = 4 puts two blocks in a step
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], 0, 3),
+    ([[3, 1, 4, 1, 5, 9, 2, 6, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]], 0, 16),
 ])
-def test_megakernel_matches_vm_and_eager(prompts, prefetch):
+def test_megakernel_matches_vm_and_eager(prompts, prefetch, block):
     model = random_llama(shape_config("tiny"), seed=11)
     mk_model = random_llama(shape_config("tiny"), seed=11, device=DEV)    # the same weights
-    caches = {"eager": model.new_kv_cache(32, BLOCK), "vm": model.new_kv_cache(32, BLOCK),
-              "mk": mk_model.new_kv_cache(32, BLOCK)}
+    caches = {"eager": model.new_kv_cache(32, block), "vm": model.new_kv_cache(32, block),
+              "mk": mk_model.new_kv_cache(32, block)}
     models = {"eager": model, "vm": model, "mk": mk_model}
     vm = PlanDecoder(model, caches["vm"], max_batch=4, max_context=64, tiles=TILES)
     mk = MegakernelDecoder(mk_model, caches["mk"], max_batch=4, max_context=64, tiles=TILES, num_programs=3,

@@ -361,35 +361,38 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                         part = (b * H + heads) * S + t1
                         tl.store(A_ptr + PM_OFF + part, m, mask=g_mask)
                         tl.store(A_ptr + PL_OFF + part, l, mask=g_mask)
-                        tl.store(A_ptr + PACC_OFF + part[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
-                elif op == ATTN_REDUCE:   # merge the splits of kv head t0's query heads,
-                    heads = t0 * G + offs_g   # S_BLOCK at a time (two passes: max, then sums)
-                    offs_s = tl.arange(0, S_BLOCK)
+                        tl.store(A_ptr + PACC_OFF + (part[:, None] - t1) * D + offs_d[None, :] * S + t1, acc,
+                                 mask=g_mask[:, None])   # [B, H, D, S]: splits innermost
+                elif op == ATTN_REDUCE:   # merge the splits of kv head t0's query heads, S_BLOCK at a time
+                    # in one pass (a running max rescales what is merged so far). The partials are stored
+                    # [B, H, D, S] (splits innermost), so every operand is a [G_PAD, D, S_BLOCK] tensor of one
+                    # layout (m and l loaded at that shape, their addresses repeating along D) and the sums
+                    # over splits stay within a warp: no layout conversion, no barrier
+                    g3 = offs_g[:, None, None]
+                    d3 = offs_d[None, :, None]
+                    s3 = tl.arange(0, S_BLOCK)[None, None, :]
                     for b in range(0, B):
                         ctx = tl.load(I_ptr + CTX_OFF + b)
                         n_sp = (ctx + P - 1) // P
-                        m_run = tl.full((G_PAD, S_BLOCK), float("-inf"), tl.float32)
-                        for s0 in range(0, n_sp, S_BLOCK):
-                            gs = g_mask[:, None] & (s0 + offs_s < n_sp)[None, :]
-                            part = (b * H + heads)[:, None] * S + s0 + offs_s[None, :]
-                            m_run = tl.maximum(m_run, tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"),
-                                                              cache_modifier=".cg"))
-                        m_all = tl.where(g_mask, tl.max(m_run, axis=1), 0.0)
+                        hrow3 = b * H + t0 * G + g3
+                        m_run = tl.full((G_PAD, D), -1.0e30, tl.float32)   # finite: no inf - inf
                         num = tl.zeros((G_PAD, D), tl.float32)
-                        den = tl.zeros((G_PAD, S_BLOCK), tl.float32)
+                        den = tl.zeros((G_PAD, D), tl.float32)
                         for s0 in range(0, n_sp, S_BLOCK):
-                            gs = g_mask[:, None] & (s0 + offs_s < n_sp)[None, :]
-                            part = (b * H + heads)[:, None] * S + s0 + offs_s[None, :]
-                            m = tl.load(A_ptr + PM_OFF + part, mask=gs, other=float("-inf"), cache_modifier=".cg")
-                            l = tl.load(A_ptr + PL_OFF + part, mask=gs, other=0.0, cache_modifier=".cg")
-                            w = tl.where(gs, tl.exp(m - m_all[:, None]), 0.0)
-                            acc = tl.load(A_ptr + PACC_OFF + part[:, :, None] * D + offs_d[None, None, :],
-                                          mask=gs[:, :, None], other=0.0, cache_modifier=".cg")
-                            num += tl.sum(acc * w[:, :, None], axis=1)
-                            den += l * w
-                        d = tl.where(g_mask, tl.sum(den, axis=1), 1.0)
-                        tl.store(A_ptr + ATTN_OFF + (b * H + heads)[:, None] * D + offs_d[None, :], num / d[:, None],
-                                 mask=g_mask[:, None])
+                            gs = (g3 < G) & (d3 >= 0) & (s0 + s3 < n_sp)
+                            ms = hrow3 * S + s0 + s3 + d3 * 0
+                            m = tl.load(A_ptr + PM_OFF + ms, mask=gs, other=float("-inf"), cache_modifier=".cg")
+                            l = tl.load(A_ptr + PL_OFF + ms, mask=gs, other=0.0, cache_modifier=".cg")
+                            acc = tl.load(A_ptr + PACC_OFF + (hrow3 * D + d3) * S + s0 + s3, mask=gs, other=0.0,
+                                          cache_modifier=".cg")
+                            m_new = tl.maximum(m_run, tl.max(m, axis=2))
+                            alpha = tl.exp(m_run - m_new)
+                            w = tl.exp(m - m_new[:, :, None])
+                            num = num * alpha + tl.sum(acc * w, axis=2)
+                            den = den * alpha + tl.sum(l * w, axis=2)
+                            m_run = m_new
+                        hrow = b * H + t0 * G + offs_g
+                        tl.store(A_ptr + ATTN_OFF + hrow[:, None] * D + offs_d[None, :], num / den, mask=g_mask[:, None])
                 elif op == O_PROJ:   # x[:, t0:t1] += attn @ Wo[t0:t1]^T
                     acc, _ = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t0,
                                       t1 - t0, H * D, False, False, T_O, BK_O, BLOCK_B)

@@ -132,7 +132,7 @@ class ActLayout:
     """Element offsets in the float32 activation buffer `A` (regions contiguous, row-major)."""
     x: int          # [B, Hd] residual stream
     q: int          # [B, H, D] rotated queries
-    part_acc: int   # [B, H, S, D] unnormalised attention partials
+    part_acc: int   # [B, H, D, S] unnormalised attention partials (splits innermost)
     part_m: int     # [B, H, S] running max of each split
     part_l: int     # [B, H, S] softmax denominator of each split
     attn: int       # [B, H*D] attention output
