@@ -38,7 +38,7 @@ from slipstream.runtime.base import Decoder, DecoderOptions
 from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
 from slipstream.structured.constraint import ConstraintError
 from slipstream.structured.grammar import Matcher, compile_constraint
-from slipstream.structured.masks import MaskJob, MaskNow, fill_masks, masked_copy
+from slipstream.structured.masks import MaskJob, MaskNow, constrained_logits
 
 __all__ = ["Engine", "EngineStats", "StepEvent", "KV_BUDGET_BYTES"]
 
@@ -292,7 +292,7 @@ class Engine:
                 events += self.output.append(r, t, None, now)
             return events
         constrained = [r.matcher for r in batch]
-        # the grammar masks: filled on a helper thread while a GPU runs the step, else right here
+        # the grammar masks: filled on a helper thread while a GPU runs the step, else after it, where needed
         masker = MaskJob if self._masks_while_stepping else MaskNow
         job = masker(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
         logits = self.executor.decode(batch)
@@ -300,11 +300,9 @@ class Engine:
 
     def _sample(self, batch: list[Request], logits: torch.Tensor,
                 masks: torch.Tensor | None = None) -> list[StepEvent]:
-        rows = [i for i, r in enumerate(batch) if r.matcher is not None]
-        if rows:   # forbidden tokens of constrained rows to -inf (a copy: the runtime owns its logits)
-            if masks is None:
-                masks = fill_masks([r.matcher for r in batch], self.vocab_size)
-            logits = masked_copy(logits, masks[rows], rows)
+        if any(r.matcher is not None for r in batch):   # forbidden tokens to -inf where it matters (a copy)
+            logits = constrained_logits(logits, [r.matcher for r in batch], [r.params for r in batch],
+                                        self.vocab_size, masks)
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
                            [r.output_ids for r in batch], [r.generator for r in batch])
         now = time.perf_counter()
