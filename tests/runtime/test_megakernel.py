@@ -133,7 +133,7 @@ def test_unsupported_models_are_refused():
 
 TRITON36 = Path(__file__).resolve().parents[2] / "build" / "venv-triton36" / "bin" / "python"
 _SPILL_36 = pytest.mark.xfail(strict=True, reason="with Triton 3.6 (the GPU machine's) the dense-8B kernel "
-                                                  "spills 96-112 bytes at batch 4-8 (255 registers; 64 at "
+                                                  "spills 96 bytes at batch 4-8 (255 registers; 48 at "
                                                   "batch 1): issue 18, open")
 
 
