@@ -94,18 +94,3 @@ def test_fast_product_error_is_small_against_exact():
     exact, fast = _matmul(w, x, exact=True), _matmul(w, x, exact=False)
     assert ((fast - exact).norm() / exact.norm()).item() < 0.01
 
-
-@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
-@pytest.mark.parametrize("k", [320, 576])
-def test_two_row_pass_is_bit_identical_to_one_row_at_a_time(fmt: int, k: int):
-    """The step multiplies two weight rows per pass (AVX2) where a tile has them: every output must be
-    the single-row kernel's, bit for bit (a row's result may not depend on its tile's pairing)."""
-    w = _random_packed(fmt, 33, k, seed=fmt + k)
-    if fmt in (Q4_1, Q8_0):   # the default model's layouts keep fp16 scales and mins
-        w = Linear(w.n, w.k, w.data, fmt, w.scale.half(), None if w.min is None else w.min.half())
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 2
-    together = _matmul(w, x, exact=False)
-    for n in range(w.n):
-        row = Linear(1, k, w.data[n:n + 1].contiguous(), fmt, w.scale[n:n + 1].contiguous(),
-                     None if w.min is None else w.min[n:n + 1].contiguous())
-        assert torch.equal(_matmul(row, x, exact=False)[:, 0], together[:, n]), n

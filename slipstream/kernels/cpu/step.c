@@ -113,50 +113,6 @@ enum {
 };
 
 // -- products over a tile of weight rows -------------------------------------------------------------
-#if defined(SS_HAVE_ROW2)
-// rows n and n + 1 of a q4 or q8 matrix on the fast path, sharing every activation load (simd.h's two-row
-// kernels: the same sums as one row at a time, bit for bit)
-static void mat_row_pair(const SSMat *m, int n, int B, const SSAct *x, float *y, int ystride, int accumulate) {
-    const int K = m->k, G = K / 32;
-    const float *sc[2], *mn[2] = {NULL, NULL};
-    float *buf = alloca(sizeof(float) * 4 * G);
-    for (int r = 0; r < 2; r++) {
-        const int64_t off = (int64_t)(n + r) * G;
-        if (m->qtype == QT_F16) {   // fp16 scales and mins, widened for these two rows
-            ss_f16_row((const uint16_t *)m->scale + off, buf + 2 * r * G, G);
-            sc[r] = buf + 2 * r * G;
-            if (m->min) ss_f16_row((const uint16_t *)m->min + off, buf + (2 * r + 1) * G, G), mn[r] = buf + (2 * r + 1) * G;
-        } else {
-            sc[r] = m->scale + off;
-            if (m->min) mn[r] = m->min + off;
-        }
-    }
-    for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
-        const int nb = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
-        float o0[MAX_ROWS], o1[MAX_ROWS];
-        const int8_t *xq = x->q + (int64_t)b0 * K;
-        const float *xd = x->d + (int64_t)b0 * G, *xs = x->s + (int64_t)b0 * G;
-        if (m->kind == KIND_Q4) {
-            const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * (K / 2);
-#define Q4P(NB) q4q8_row2(w, w + K / 2, sc[0], sc[1], mn[0], mn[1], G, xq, xd, xs, NB, o0, o1)
-            SS_BY_ROWS(nb, Q4P)
-#undef Q4P
-        } else {
-            const int8_t *w = (const int8_t *)m->q + (int64_t)n * K;
-#define Q8P(NB) q8q8_row2(w, w + K, sc[0], sc[1], G, xq, xd, NB, o0, o1)
-            SS_BY_ROWS(nb, Q8P)
-#undef Q8P
-        }
-        for (int b = 0; b < nb; b++) {
-            float *yo = y + (int64_t)(b0 + b) * ystride + n;
-            const float v0 = m->bias ? o0[b] + m->bias[n] : o0[b], v1 = m->bias ? o1[b] + m->bias[n + 1] : o1[b];
-            yo[0] = accumulate ? yo[0] + v0 : v0;
-            yo[1] = accumulate ? yo[1] + v1 : v1;
-        }
-    }
-}
-#endif
-
 // y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
 static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, float *y, int ystride,
                      int accumulate, int exact) {
@@ -174,13 +130,6 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int half = m->kind != KIND_QT && m->qtype == QT_F16;
     float *scb = half ? alloca(sizeof(float) * G) : NULL, *mnb = half && m->min ? alloca(sizeof(float) * G) : NULL;
     for (int n = n0; n < n1; n++) {
-#if defined(SS_HAVE_ROW2)
-        if (!exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && n + 1 < n1) {
-            mat_row_pair(m, n, B, x, y, ystride, accumulate);
-            n++;
-            continue;
-        }
-#endif
         const float *sc_row = m->scale ? m->scale + (int64_t)n * G : NULL;
         const float *mn_row = m->min ? m->min + (int64_t)n * G : NULL;
         if (half) {
