@@ -4,8 +4,10 @@
 // nanosecond and per cycle at an assumed 3 GHz, for:
 //   q4 one row per pass   (the re-blocked Q4_0/Q4_1/Q4_K layout; a two-rows-per-pass variant measured
 //                          faster here, in cache, but slower in the decode step, 110 vs 131 tok/s: removed)
-//   raw GGUF blocks, fused (qt_q8_row) against decoding the row to int8 first (the older path), for
-//   Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, and Q6_K (fused only)
+//   raw GGUF blocks through qt_q8_row (the step's path), for Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K.
+//   Blocks decoded into registers and multiplied straight away ran 1.6-3x faster than qt_q8_row here, in
+//   cache, and 2-9% slower in the decode step (benchmarks/cpu_decode.py on llama.cpp-quantized files,
+//   quiet: Q5_0 85 vs 93.5 tok/s): removed. In-cache speed does not predict the streaming step.
 //
 //   gcc -O2 -march=native -o /tmp/row_kernels benchmarks/row_kernels.c -lm && /tmp/row_kernels
 #include <stdio.h>
@@ -78,7 +80,7 @@ static void raw_rows(int t, const char *name) {
             if (now() - t0 < decoded) decoded = now() - t0;
         }
         char label[64];
-        snprintf(label, sizeof label, "%s, fused", name);
+        snprintf(label, sizeof label, "%s, qt_q8_row", name);
         report(label, nb, fused);
         if (decoded < 1e9) {
             snprintf(label, sizeof label, "%s, row decoded first", name);
