@@ -271,6 +271,14 @@ class Engine:
 
     def _decode_and_prefill(self, batch: list[Request], chunks: list[tuple[Request, int, int]]) -> list[StepEvent]:
         """Decode rows and prompt chunks in one runtime step (the weights read once for both)."""
+        done_now = [r for r, _, end in chunks if end == r.prefill_target and not r.output_ids]
+        if self.executor.device_greedy(batch + done_now):   # tokens chosen by the runtime: no logits, no torch
+            tokens, done, done_tokens = self.executor.decode_and_prefill(batch, chunks, tokens_only=True)
+            now = time.perf_counter()
+            events: list[StepEvent] = []
+            for r, t in zip(batch + done, tokens.tolist() + done_tokens.tolist()):
+                events += self.output.append(r, t, None, now)
+            return events
         constrained = [r.matcher for r in batch]
         masker = MaskJob if self._masks_while_stepping else MaskNow
         job = masker(constrained, self.vocab_size) if any(m is not None for m in constrained) else None

@@ -81,10 +81,11 @@ class StepExecutor:
         return (not self.needs_hidden and bool(batch) and bool(chunks)
                 and len(batch) + sum(e - s for _, s, e in chunks) <= prefill_capacity(self.runtime))
 
-    def decode_and_prefill(self, batch: list[Request], chunks: list[Chunk]
+    def decode_and_prefill(self, batch: list[Request], chunks: list[Chunk], tokens_only: bool = False
                            ) -> tuple[torch.Tensor, list[Request], torch.Tensor]:
         """One runtime step over `batch`'s decode rows and the prompt chunks: the decode rows' logits,
-        the requests whose prompt is now complete, and the logits of their last positions."""
+        the requests whose prompt is now complete, and the logits of their last positions (with
+        `tokens_only`, the greedy tokens the runtime chose instead of logits)."""
         b = StepBuilder()
         for r in batch:
             b.add(r.seq, [r.output_ids[-1]], r.num_tokens - 1)
@@ -94,7 +95,7 @@ class StepExecutor:
             b.add(r.seq, r.all_token_ids[start:end], start, logits="last" if last else "none")
             if last:
                 done.append(r)
-        logits = self.runtime.forward(b.build())
+        logits = self.runtime.forward(b.build(), tokens_only=tokens_only)
         for r in batch:
             r.kv.num_tokens += 1
             self.commit_blocks(r)
