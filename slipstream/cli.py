@@ -62,12 +62,12 @@ BATCH_FLAGS: dict[str, dict] = {
                            help="prompt tokens in a step that also decodes: bounds how long a running stream "
                                 "waits behind a burst of new prompts (default 64; = --prefill-chunk for no bound); "
                                 "with --prefill-pacing, its first guess"),
-    "prefill_pacing": dict(type=lambda s: _factor_or_off(s), default=2.5,
+    "prefill_pacing": dict(type=lambda s: _factor_or_off(s), default=2.0,
                            metavar="FACTOR",
                            help="size the prompt tokens of a step that also decodes from measured step times, so "
                                 "that it takes at most FACTOR decode-only steps' time: a running stream's "
                                 "inter-token latency stays within FACTOR x its idle one while a burst of prompts "
-                                "is prefilled (default 2.5; off: the fixed --prefill-budget)"),
+                                "is prefilled (default 2; off: the fixed --prefill-budget)"),
     "kv_cache_tokens": dict(type=int, default=None, help="KV-cache size in tokens"),
 }
 

@@ -24,9 +24,9 @@ def test_prompt_chunks_ride_along_with_the_decode_rows(llm, exact):
     merged = []
     inner = e.executor.decode_and_prefill
 
-    def spy(batch, chunks):
+    def spy(batch, chunks, **kw):
         merged.append((len(batch), sum(end - start for _, start, end in chunks)))
-        return inner(batch, chunks)
+        return inner(batch, chunks, **kw)
     e.executor.decode_and_prefill = spy
     first = Request(ids(llm, PROMPTS[0]), greedy(40, ignore_eos=True))
     e.add_request(first)
