@@ -93,3 +93,12 @@ def test_a_call_cut_off_by_max_tokens_is_not_invented():
 def test_the_parser_is_picked_from_the_template(template, parser):
     assert parser_for_template(template) == parser
     assert template_has_tools(template) == (parser is not None)
+
+
+def test_hermes_arguments_first_as_its_system_prompt_asks():
+    """Hermes 2 Pro / Hermes 3's own tool prompt asks for {"arguments": ..., "name": ...} inside
+    <tool_call> tags (arguments first), the order those models emit."""
+    text = ('<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n</tool_call>')
+    content, calls = make_parser("hermes").parse(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_stock_fundamentals", {"symbol": "TSLA"})]
