@@ -68,3 +68,40 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
             d *= rng.choice([-1.0, 1.0], size=d.shape)
         b[..., off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(n, k // qk, 2)
     return b.reshape(n, -1)
+
+
+def check_native_step_against(hf, model, vocab: int, tokens: int, chunks: tuple[int, ...], exact: bool,
+                              num_blocks: int = 16) -> None:
+    """A family on the native CPU step against transformers' `hf` on the same weights: the first
+    `chunks[-1]` of `tokens` random tokens as prompt chunks ending at each of `chunks` (rows of the
+    step), the rest as decode steps. The exact path stays within float32 noise (2e-4) with the same
+    greedy tokens; the fast path (int8 activations) stays close and may flip only near ties of a random
+    model, never pick a clearly worse token."""
+    import torch
+
+    from slipstream.kernels.cpu import load_library
+    if load_library() is None:
+        pytest.skip("native CPU kernels unavailable")
+    from slipstream.kv.blocks import SequenceKV
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    from slipstream.step import StepBuilder
+    toks = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks])).logits[0].float()
+    kv = model.new_kv_cache(num_blocks=num_blocks, block_size=4)
+    team = CpuTeamDecoder(model, kv, exact=exact)
+    seq = SequenceKV(kv)
+    spans = list(zip((0,) + chunks[:-1], chunks)) + [(p, p + 1) for p in range(chunks[-1], tokens)]
+    got = []
+    for start, end in spans:
+        seq.reserve(end)
+        b = StepBuilder()
+        b.add(seq, toks[start:end], start, logits="all")
+        got.append(team.forward(b.build()))
+    out = torch.cat(got)
+    torch.testing.assert_close(out, ref, atol=2e-4 if exact else 0.15, rtol=0)
+    if exact:
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    else:
+        chosen = ref.gather(1, out.argmax(-1, keepdim=True))[:, 0]
+        assert (chosen >= ref.max(-1).values - 0.1).all()
