@@ -45,7 +45,8 @@ def test_rope_store(T: int, H: int, KVH: int, D: int, qk_norm: bool):
     torch.testing.assert_close(vc, vc_ref)
 
 
-@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32)])
+@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32),
+                                                   ([5, 67], 8, 2, 80), ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256)])
 def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
     g = torch.Generator().manual_seed(sum(lengths))
     S, total = len(lengths), sum(lengths) + 50

@@ -39,10 +39,11 @@ void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, con
                  const int64_t *starts, const float *kcache, const float *vcache, float scale, float *out) {
     for (int s = 0; s < S; s++) {
         const int64_t n = starts[s + 1] - starts[s];
-        float *p = (float *)malloc(sizeof(float) * (n > 0 ? n : 1));
-        for (int h = 0; h < H; h++)
-            ss_attend(q + (int64_t)s * q_stride + h * D, kcache, vcache, KVH, h / (H / KVH), D, slots + starts[s],
-                      n, scale, 0.f, p, out + (int64_t)s * H * D + h * D);
+        const int group = H / KVH;
+        float *p = (float *)malloc(sizeof(float) * (n > 0 ? n * group : 1));
+        for (int kvh = 0; kvh < KVH; kvh++)
+            ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, KVH, kvh, D,
+                            slots + starts[s], n, scale, 0.f, p, out + (int64_t)s * H * D + kvh * group * D);
         free(p);
     }
 }

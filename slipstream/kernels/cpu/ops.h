@@ -40,6 +40,86 @@ static inline void ss_attend(const float *q, const float *kcache, const float *v
     for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, vcache + (slots[j] * KVH + kvh) * D, D);
 }
 
+#if defined(SS_AVX2)
+// four 8-lane partial sums -> their four totals
+AI __m128 ss_hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// scores of two query heads (q0, q1; q1 may equal q0) against four keys, D % 8 == 0
+AI void ss_scores_2x4(const float *q0, const float *q1, const float *const k[4], int D, __m128 *s0, __m128 *s1) {
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+        for (int j = 0; j < 4; j++) {
+            const __m256 kv = _mm256_loadu_ps(k[j] + d);
+            a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
+            b[j] = _mm256_fmadd_ps(x1, kv, b[j]);
+        }
+    }
+    *s0 = ss_hsum4_ps(a[0], a[1], a[2], a[3]);
+    *s1 = ss_hsum4_ps(b[0], b[1], b[2], b[3]);
+}
+#endif
+
+// The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys: ss_attend for
+// each, with every key and value row read once for all of them while in cache. The scores of four keys
+// are kept in four independent accumulators (no dependent chain of FMAs and one horizontal sum per
+// four keys), and each head's output stays in registers while the values stream by.
+// p: scratch of nh * n floats.
+static inline void ss_attend_heads(const float *q, int nh, const float *kcache, const float *vcache, int KVH,
+                                   int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
+                                   float *p, float *out) {
+#if defined(SS_AVX2)
+    if (D % 8 == 0 && n > 0) {
+        const __m128 sc = _mm_set1_ps(scale);
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            const float *k[4];
+            for (int t = 0; t < 4; t++) k[t] = kcache + (slots[j + t] * KVH + kvh) * D;
+            for (int h = 0; h < nh; h += 2) {
+                const int h1 = h + 1 < nh ? h + 1 : h;
+                __m128 s0, s1;
+                ss_scores_2x4(q + h * D, q + h1 * D, k, D, &s0, &s1);
+                _mm_storeu_ps(p + h * n + j, _mm_mul_ps(s0, sc));
+                if (h1 != h) _mm_storeu_ps(p + h1 * n + j, _mm_mul_ps(s1, sc));
+            }
+        }
+        for (; j < n; j++)
+            for (int h = 0; h < nh; h++)
+                p[h * n + j] = ss_dot(q + h * D, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
+        for (int h = 0; h < nh; h++) {
+            float *ph = p + h * n, mx = -INFINITY;
+            for (int64_t i = 0; i < n; i++) {
+                if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
+                mx = ph[i] > mx ? ph[i] : mx;
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / ss_exp_shift(ph, n, mx));
+            float *o = out + h * D;
+            for (int d0 = 0; d0 < D; d0 += 64) {   // 64 output dims in eight registers at a time
+                const int w = D - d0 < 64 ? (D - d0) / 8 : 8;
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < n; i++) {
+                    const float *v = vcache + (slots[i] * KVH + kvh) * D + d0;
+                    const __m256 pi = _mm256_broadcast_ss(ph + i);
+                    if (w == 8) {
+                        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * t), acc[t]);
+                    } else {
+                        for (int t = 0; t < w; t++) acc[t] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * t), acc[t]);
+                    }
+                }
+                for (int t = 0; t < w; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < nh; h++) ss_attend(q + h * D, kcache, vcache, KVH, kvh, D, slots, n, scale, cap, p, out + h * D);
+}
+
 // out[i] = silu(g[i]) * u[i]
 static inline void ss_silu_mul(const float *g, const float *u, int n, float *out) {
     int i = 0;

@@ -253,16 +253,14 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
         sl += n - L->window;
         n = L->window;
     }
-    if (n > tl_cap) {
+    if (n * group > tl_cap) {
         free(tl_scores);
-        tl_cap = n > 4096 ? n : 4096;
+        tl_cap = n * group > 4096 ? n * group : 4096;
         tl_scores = (float *)malloc(sizeof(float) * tl_cap);
     }
-    for (int h = kvh * group; h < (kvh + 1) * group; h++) {
-        const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h * D;
-        float *o = s->attn.f + (int64_t)b * H * D + h * D;
-        ss_attend(q, L->kcache, L->vcache, KVH, kvh, D, sl, n, m->attn_scale, m->attn_softcap, tl_scores, o);
-    }
+    const int h0 = kvh * group;
+    ss_attend_heads(s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D, group, L->kcache, L->vcache, KVH, kvh, D, sl,
+                    n, m->attn_scale, m->attn_softcap, tl_scores, s->attn.f + (int64_t)b * H * D + h0 * D);
     if (D % 32 == 0) prepare(&s->attn, b, H * D, kvh * group * D, (kvh + 1) * group * D, exact);
 }
 
