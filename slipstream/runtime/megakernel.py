@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
-from slipstream.kernels.triton.megakernel import _megakernel
+from slipstream.kernels.triton.megakernel import launch_megakernel, megakernel_function
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel
 from slipstream.runtime.buckets import BucketedDecoder
@@ -115,9 +115,8 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     epoch = s.epoch + 1
     ptrs = dict(tasks_ptr=s.tasks, sync_ptr=s.sync, prof_ptr=profile if profile is not None else s.sync,
                 W_ptr=W, A_ptr=s.A, I_ptr=s.I, k_ptr=k, v_ptr=v, inv_freq_ptr=inv_freq)
-    _megakernel[(num_programs,)](**ptrs, **scalar_args(p, k.shape[1], epoch, max_spins),
-                                 **kernel_constants(p, block_k), PROFILE=profile is not None, PREFETCH=prefetch,
-                                 num_warps=num_warps)
+    launch_megakernel(num_programs, num_warps, **ptrs, **scalar_args(p, k.shape[1], epoch, max_spins),
+                      **kernel_constants(p, block_k), PROFILE=profile is not None, PREFETCH=prefetch)
     s.epoch = epoch   # only once launched: a launch that raised must not advance the ticket base
 
 
@@ -206,7 +205,8 @@ def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", prof
     # specialise the scalars as the JIT would at launch: 1 becomes a constant, multiples of 16 are
     # known divisible (what lets the compiler vectorise loads); the epoch is never specialised
     scalars = scalar_args(plan, num_slots=16 * 4096)
-    names = _megakernel.arg_names
+    fn = megakernel_function()
+    names = fn.arg_names
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in const:
@@ -223,7 +223,7 @@ def compile_offline(plan: Plan, arch: int = 90, weight_dtype: str = "bf16", prof
             sig[n] = "i32"
             if scalars[n] % 16 == 0 and n != "epoch":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(_megakernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 

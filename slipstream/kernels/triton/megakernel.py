@@ -457,3 +457,19 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
                 if PROFILE:
                     tl.store(prof_ptr + i.to(tl.int64) * 3 + 2, globaltimer())
+
+
+def launch_megakernel(num_programs: int, num_warps: int, **args) -> None:
+    """The public entry point: one launch of the persistent kernel with `num_programs` programs.
+    `args` are the kernel's arguments by name (pointers, scalars and constexprs: see
+    `runtime/megakernel.py`'s `scalar_args` and `kernel_constants`)."""
+    _megakernel[(num_programs,)](**args, num_warps=num_warps)
+
+
+def megakernel_function() -> triton.runtime.JITFunction:
+    """The kernel's `JITFunction`, for what launches do not cover: its argument names and Triton's
+    ahead-of-time compiler (`runtime/megakernel.py`'s `compile_offline`)."""
+    return _megakernel
+
+
+__all__ = ["launch_megakernel", "megakernel_function"]
