@@ -43,8 +43,12 @@ Assumptions (H100 SXM5 80 GB) and their sources
 - Atomics and the release fence: one L2 round trip each (400 ns), the task row an L2 hit.
 - Kernel launch inside a CUDA graph: 1.3 us per kernel (Hazy Research, "Look Ma, No Bubbles!",
   2025: measured on an H100 with CUDA graphs).
-- A barrier (bar.sync) costs 30 cycles beyond its issue; spilled registers cost one L1 round trip
-  (35 cycles) per 4 spilled bytes per iteration of the loops (a rough penalty, only if spilled).
+- A barrier (bar.sync) costs 30 cycles beyond its issue; every local-memory load or store (LDL/STL:
+  spilled registers) inside a loop's body costs one L1 round trip (35 cycles) per iteration. Read per
+  loop from the SASS: the kernel's stack size alone says nothing about where it is used (at dense-1B
+  the megakernel's 32-byte stack is libdevice's sin/cos argument reduction for huge angles, a branch
+  outside every matvec/attention loop; until 2026-11-24 the model charged 8 round trips per iteration
+  of every loop for it).
 """
 from __future__ import annotations
 
@@ -82,7 +86,7 @@ class H100:
     launch_ns: float = 1300.0
     l2_bw: float = 5.5e12            # bytes/s, L2 hits (Chips and Cheese's H100 L2 bandwidth test)
     barrier_cycles: float = 30.0
-    spill_cycles_per_4b: float = 35.0
+    spill_cycles: float = 35.0       # per local-memory load/store in a loop body
     regs_per_sm: int = 65536
     shared_per_sm: int = 233472
     max_blocks_per_sm: int = 32
@@ -100,11 +104,11 @@ class LoopCost:
     weight_bytes_per_thread: int  # of those, weights (plain loads; activations are .cg: LDG...STRONG.GPU)
     in_flight: int                # chunks of weight loads in flight (2: carried to the next iteration)
     act_in_flight: int = 2        # the same for the activation (.cg, L2) loads: 1 = an L2 round trip per step
+    local_ops: int = 0            # local-memory (spill) loads and stores in the body (LDL/STL)
 
-    def seconds(self, warps: int, bytes_per_iter: float, bw_sm: float, latency_ns: float,
-                spill_bytes: int = 0) -> float:
+    def seconds(self, warps: int, bytes_per_iter: float, bw_sm: float, latency_ns: float) -> float:
         cyc = self.instructions * warps / HW.schedulers + self.barriers * HW.barrier_cycles
-        cyc += spill_bytes / 4 * HW.spill_cycles_per_4b if spill_bytes else 0.0
+        cyc += self.local_ops * HW.spill_cycles
         issue = cyc / HW.clock_hz
         bw = min(bw_sm, HW.sm_bytes_per_cycle * HW.clock_hz)
         l2_wait = HW.l2_ns * 1e-9 + issue if self.act_in_flight == 1 else 0.0
@@ -137,7 +141,8 @@ def _in_flight(loop: sass.Loop, strong: bool = False) -> int:
 def loop_cost(loop: sass.Loop) -> LoopCost:
     c = loop.counts
     weights = sum(i.load_bytes for i in loop.insts if i.base == "LDG" and "STRONG" not in i.opcode)
-    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], weights, _in_flight(loop), _in_flight(loop, strong=True))
+    return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], weights, _in_flight(loop), _in_flight(loop, strong=True),
+                    c["LDL"] + c["STL"])
 
 
 # -- the megakernel ---------------------------------------------------------------------------------
@@ -236,7 +241,7 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
     for kind, lc in loops:
         if kind == "rstd":
             it = math.ceil(Hd / lc_block(consts, "rstd"))
-            total += it * lc.seconds(warps, B * lc_block(consts, "rstd") * 4, bw_sm, HW.l2_ns, code.spill)
+            total += it * lc.seconds(warps, B * lc_block(consts, "rstd") * 4, bw_sm, HW.l2_ns)
         elif kind == "mv":
             rows, K = rows_of[Op(op)], k_of[Op(op)]
             share = rows / len(mv_loops) * (2 if Op(op) == Op.GATE_UP and len(mv_loops) == 1 else 1)
@@ -245,7 +250,7 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
             per_iter = lc.weight_bytes_per_thread * 32 * warps or share * consts.get(BK_NAME[Op(op).name], bk) * 2
             per_iter = min(per_iter, task_bytes)
             it = math.ceil(task_bytes / per_iter)
-            total += it * lc.seconds(warps, per_iter, w_bw, w_lat, code.spill)
+            total += it * lc.seconds(warps, per_iter, w_bw, w_lat)
             hbm += task_bytes
         elif kind == "attn":
             P = plan.tiles.partition
@@ -254,15 +259,15 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
                 n = max(0, min(P, context - s * P))
                 it = math.ceil(n / consts["BLOCK_T"])
                 nbytes = 2 * consts["BLOCK_T"] * D * 2
-                total += it * lc.seconds(warps, nbytes, bw_sm, HW.hbm_ns, code.spill)
+                total += it * lc.seconds(warps, nbytes, bw_sm, HW.hbm_ns)
                 hbm += 2 * n * D * 2
         elif kind == "reduce":
             it = max(1, math.ceil(math.ceil(context / plan.tiles.partition) / consts["S_BLOCK"]))
-            total += B * it * lc.seconds(warps, G * consts["S_BLOCK"] * 4, bw_sm, HW.l2_ns, code.spill)
+            total += B * it * lc.seconds(warps, G * consts["S_BLOCK"] * 4, bw_sm, HW.l2_ns)
         elif kind == "argmax":
             n_items = plan.lm_tiles if consts.get("LM_TILE") else V    # per-tile partials, or every logit
             it = math.ceil(n_items / consts["BLOCK_V"])
-            total += B * it * lc.seconds(warps, consts["BLOCK_V"] * 4, bw_sm, HW.l2_ns, code.spill)
+            total += B * it * lc.seconds(warps, consts["BLOCK_V"] * 4, bw_sm, HW.l2_ns)
     return total, hbm
 
 
@@ -298,6 +303,7 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     import heapq
     heap = [(0.0, p) for p in range(P)]
     heapq.heapify(heap)
+    timeline: list[tuple[int, int, float, float, float]] = []   # (op, layer, drawn, started, done)
     for r in rows:
         t_free, p = heapq.heappop(heap)
         if ahead and p in ticket_ready:
@@ -322,6 +328,7 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
         body, _ = _task_seconds(plan, code, r, bw_sm, consts, context, in_l2)
         done = start + body + signal
         busy += body
+        timeline.append((r[0], r[1], t_free, start, done))
         by_op[Op(r[0]).name] = by_op.get(Op(r[0]).name, 0.0) + body
         ev_count[r[6]] += 1
         ev_time[r[6]] = max(ev_time[r[6]], done)
@@ -332,6 +339,7 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     return {"us": t * 1e6, "pct_roofline": 100.0 * roof / HW.copy_bw / t, "tasks": len(rows),
             "registers": code.regs, "spill_bytes": code.spill,
             "busy_us_per_sm_by_op": {k: round(v * 1e6 / P, 1) for k, v in by_op.items()},
+            "timeline": timeline,
             "loops": {str(op): [(kd, vars(lc)) for kd, lc in ls] for op, ls in sorted(code.loops.items())}}
 
 
@@ -425,7 +433,7 @@ def model_graph(cfg, batch: int, context: int) -> dict[str, Any]:
         loops = info["loops"]
         if loops:
             main = max(loops, key=lambda lc: lc.load_bytes_per_thread)
-            prog = it * main.seconds(info["warps"], nbytes / max(it, 1), bw_sm, HW.hbm_ns, info["spill"])
+            prog = it * main.seconds(info["warps"], nbytes / max(it, 1), bw_sm, HW.hbm_ns)
             prog += sum(lc.seconds(info["warps"], 0, bw_sm, HW.l2_ns) for lc in loops if lc is not main)
         prog += HW.hbm_ns * 1e-9      # the program's first dependent loads and its stores
         waves = math.ceil(ln.programs / slots)
@@ -459,7 +467,26 @@ def model(shape: str, batch: int, context: int = 512, programs_per_sm: int = 1, 
             "megakernel_tasks": m["tasks"], "megakernel_registers": m["registers"],
             "megakernel_spill_bytes": m["spill_bytes"], "programs_per_sm": programs_per_sm, "prefetch": prefetch,
             "megakernel_vs_graph": round(g["us"] / m["us"], 2), "megakernel_loops": m["loops"],
-            "megakernel_busy_us_per_sm_by_op": m["busy_us_per_sm_by_op"]}
+            "megakernel_busy_us_per_sm_by_op": m["busy_us_per_sm_by_op"], "megakernel_timeline": m["timeline"]}
+
+
+def phase_table(timeline: list[tuple[int, int, float, float, float]], layer: int) -> list[str]:
+    """One layer's phases on the modelled timeline (us from the layer's first task start): tasks, first
+    draw, first start, last start, last done, and the mean body (done - start)."""
+    from slipstream.runtime.plan import Op
+    mine = [t for t in timeline if t[1] == layer and t[0] not in (int(Op.EMBED), int(Op.LM_HEAD), int(Op.ARGMAX))]
+    t0 = min(t[3] for t in mine)
+    out = [f"| layer {layer} phase | tasks | first drawn | first start | last start | last done | mean body |  "
+           "(us, *modelled*)", "|---|---|---|---|---|---|---|"]
+    for op in Op:
+        ts = [t for t in mine if t[0] == int(op)]
+        if not ts:
+            continue
+        us = [(a - t0) * 1e6 for a in (min(t[2] for t in ts), min(t[3] for t in ts), max(t[3] for t in ts),
+                                       max(t[4] for t in ts))]
+        body = sum(t[4] - t[3] for t in ts) / len(ts) * 1e6
+        out.append(f"| {op.name} | {len(ts)} | " + " | ".join(f"{u:.2f}" for u in us) + f" | {body:.2f} |")
+    return out
 
 
 def resources(shapes: list[str], batches: list[int], context: int) -> None:
@@ -495,6 +522,8 @@ def main() -> None:
                     help="only the megakernel's compiled registers / spill / vector loads (not modelled)")
     ap.add_argument("--verbose", action="store_true", help="per-kernel and per-loop detail")
     ap.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+    ap.add_argument("--timeline", type=int, default=None, metavar="LAYER",
+                    help="print that layer's phases on the modelled megakernel timeline")
     a = ap.parse_args()
     shapes = [a.shape] if a.shape else ["dense-1B", "dense-8B"]
     batches = [a.batch] if a.batch else [1, 4, 8]
@@ -512,13 +541,18 @@ def main() -> None:
             print(f"| {sh} | {b} | {r['roofline_us']} | {r['graph_us']} | {r['graph_pct_roofline']} | "
                   f"{r['megakernel_us']} | {r['megakernel_pct_roofline']} | {r['megakernel_vs_graph']}x |",
                   flush=True)
+    if a.timeline is not None:
+        for r in results:
+            print(f"{r['shape']} batch {r['batch']}:")
+            print("\n".join(phase_table(r["megakernel_timeline"], a.timeline)))
     if a.verbose:
         for r in results:
             print(json.dumps({k: r[k] for k in ("shape", "batch", "graph_per_kernel_us", "megakernel_loops",
                                                 "megakernel_busy_us_per_sm_by_op")}))
     if a.json:
         slim = [{k: v for k, v in r.items() if k not in ("megakernel_loops", "graph_per_kernel_us",
-                                                           "megakernel_busy_us_per_sm_by_op")} for r in results]
+                                                           "megakernel_busy_us_per_sm_by_op", "megakernel_timeline")}
+                for r in results]
         print(json.dumps(slim[0] if len(slim) == 1 else {"modelled": True, "results": slim}))
 
 
