@@ -48,6 +48,7 @@ from slipstream.errors import SlipstreamError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
 from slipstream.models.base import Model
 from slipstream.step import StepInput
+from slipstream.weights.deepseek import DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, MlaAttention
 from slipstream.weights.quant import RAW_TYPES, Linear
 
 
@@ -288,12 +289,34 @@ def _parallelize(local: Any, vocab_lo: int, comm: Collectives) -> Any:
 
 # -- the DeepSeek / GLM family ------------------------------------------------------------------------
 
-def _shard_mlp(w: dict[str, torch.Tensor], world: int, rank: int) -> dict[str, torch.Tensor]:
-    gu, down = w["gate_up"], w["down"]
-    f = gu.shape[0] // 2
+def _shard_mlp(w: DenseMlp, world: int, rank: int) -> DenseMlp:
+    f = w.gate_up.shape[0] // 2
     f0, f1 = _span(f, world, rank, "FFN features")
-    return {"gate_up": torch.cat([gu[f0:f1], gu[f + f0:f + f1]]).contiguous(),
-            "down": down[:, f0:f1].contiguous()}
+    return DenseMlp(torch.cat([w.gate_up[f0:f1], w.gate_up[f + f0:f + f1]]).contiguous(),
+                    w.down[:, f0:f1].contiguous())
+
+
+def _shard_attention(c: Any, A: MlaAttention | GqaAttention, world: int, rank: int
+                     ) -> MlaAttention | GqaAttention:
+    """This rank's heads of one layer's attention; O's bias on rank 0 only (added once by the all-reduce)."""
+    H = c.num_heads
+    h0, h1 = _span(H, world, rank, "attention heads")
+    o_bias = A.o_bias if rank == 0 else None
+    if isinstance(A, MlaAttention):
+        dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        # the latents (q_a, kv_a, their norms) and the DSA indexer: on every rank
+        heads = slice(h0 * (dn + dr), h1 * (dn + dr))
+        return replace(A, q=None if A.q is None else A.q[heads].contiguous(),
+                       q_b=None if A.q_b is None else A.q_b[heads].contiguous(),
+                       w_uk=A.w_uk[h0:h1].contiguous(), w_uv=A.w_uv[h0:h1].contiguous(),
+                       o=A.o[:, h0 * dv:h1 * dv].contiguous(), o_bias=o_bias)
+    D, KVH = c.head_dim, c.num_kv_heads
+    k0, k1 = _span(KVH, world, rank, "KV heads")
+    rows = torch.cat([torch.arange(h0 * D, h1 * D), H * D + torch.arange(k0 * D, k1 * D),
+                      (H + KVH) * D + torch.arange(k0 * D, k1 * D)])
+    return replace(A, qkv=A.qkv[rows].contiguous(),
+                   qkv_bias=None if A.qkv_bias is None else A.qkv_bias[rows].contiguous(),
+                   o=A.o[:, h0 * D:h1 * D].contiguous(), o_bias=o_bias)
 
 
 def _shard_deepseek(model: Any, world: int, rank: int) -> tuple[Any, VocabShard, VocabShard, tuple[int, int]]:
@@ -302,68 +325,43 @@ def _shard_deepseek(model: Any, world: int, rank: int) -> tuple[Any, VocabShard,
     c = model.cfg
     if model.mtp:
         raise SlipstreamError("tensor parallelism does not cover MTP layers yet (serve without --speculative mtp)")
-    H = c.num_heads
-    h0, h1 = _span(H, world, rank, "attention heads")
+    _span(c.num_heads, world, rank, "attention heads")
     e0, e1 = _span(c.n_routed_experts, world, rank, "routed experts") if c.n_routed_experts else (0, 0)
     layers = {}
     for i, L in enumerate(model.layers):
-        w: dict[str, Any] = {k: L[k] for k in ("attn_norm", "ffn_norm") }
-        if "indexer" in L:
-            w["indexer"] = L["indexer"]                       # the DSA indexer: on every rank
-        if c.attention == "mla":
-            dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-            for k in ("q_a", "q_a_bias", "q_a_norm", "kv_a", "kv_a_bias", "kv_a_norm"):
-                if k in L:
-                    w[k] = L[k]                               # the latents: on every rank
-            qn = "q_b" if "q_b" in L else "q"
-            w[qn] = L[qn][h0 * (dn + dr):h1 * (dn + dr)].contiguous()
-            w["kv_b"] = torch.cat([L["w_uk"][h0:h1], L["w_uv"][h0:h1]], dim=1).reshape(-1, c.kv_lora_rank)
-            w["o"] = L["o"][:, h0 * dv:h1 * dv].contiguous()
+        ffn: DenseMlp | DeepseekMoe
+        if isinstance(L.ffn, DeepseekMoe):
+            m = L.ffn
+            ffn = DeepseekMoe(m.router, m.correction_bias, m.gate_up[e0:e1].contiguous(), m.down[e0:e1].contiguous(),
+                              None if m.shared is None else _shard_mlp(m.shared, world, rank))
         else:
-            D, KVH = c.head_dim, c.num_kv_heads
-            k0, k1 = _span(KVH, world, rank, "KV heads")
-            qkv, bias = L["qkv"], L["qkv_bias"]
-            rows = {"q": torch.arange(h0 * D, h1 * D), "k": H * D + torch.arange(k0 * D, k1 * D),
-                    "v": (H + KVH) * D + torch.arange(k0 * D, k1 * D)}
-            for n, r in rows.items():
-                w[n] = qkv[r].contiguous()
-                w[n + "_bias"] = None if bias is None else bias[r].contiguous()
-            if c.qk_norm:
-                w["q_norm"], w["k_norm"] = L["q_norm"], L["k_norm"]
-            w["o"] = L["o"][:, h0 * D:h1 * D].contiguous()
-        w["o_bias"] = L.get("o_bias") if rank == 0 else None
-        if "moe" in L:
-            m = L["moe"]
-            w["moe"] = {"router": m["router"], "correction_bias": m["correction_bias"],
-                        "gate_up": m["gate_up"][e0:e1].contiguous(), "down": m["down"][e0:e1].contiguous(),
-                        "shared": None if m["shared"] is None else _shard_mlp(m["shared"], world, rank)}
-        else:
-            w["mlp"] = _shard_mlp(L["mlp"], world, rank)
-        layers[f"layers.{i}"] = w
+            ffn = _shard_mlp(L.ffn, world, rank)
+        layers[f"layers.{i}"] = DeepseekLayer(L.attn_norm, L.ffn_norm, _shard_attention(c, L.attn, world, rank), ffn)
     embed = VocabShard(model.embed, world, rank)
     head = embed if model.lm_head is model.embed else VocabShard(model.lm_head, world, rank)
-    local_cfg = replace(c, num_heads=H // world, num_kv_heads=c.num_kv_heads // world if c.attention == "gqa" else
-                        c.num_kv_heads, intermediate_size=c.intermediate_size // world, num_nextn_predict_layers=0)
+    local_cfg = replace(c, num_heads=c.num_heads // world, num_kv_heads=c.num_kv_heads // world
+                        if c.attention == "gqa" else c.num_kv_heads, intermediate_size=c.intermediate_size // world,
+                        num_nextn_predict_layers=0)
     local = DeepseekModel(local_cfg, {"embed": embed.weight, "lm_head": head.weight, "norm": model.norm, **layers})
     return local, embed, head, (e0, e1)
 
 
-def _moe_local(local: Any, W: dict[str, Any], h: torch.Tensor, experts: tuple[int, int]) -> torch.Tensor:
+def _moe_local(local: Any, W: DeepseekMoe, h: torch.Tensor, experts: tuple[int, int]) -> torch.Tensor:
     """`DeepseekModel._moe` over this rank's experts (and its share of the shared experts): a partial
     sum, completed by the caller's all-reduce."""
     ids, weights = local.route(W, h)
     out = torch.zeros_like(h)
     e0, e1 = experts
-    f = W["gate_up"].shape[1] // 2
+    f = W.gate_up.shape[1] // 2
     for e in ids.unique().tolist():
         if not e0 <= e < e1:
             continue
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        gu = F.linear(h.index_select(0, rows), W["gate_up"][e - e0])
-        y = F.linear(F.silu(gu[:, :f]) * gu[:, f:], W["down"][e - e0])
+        gu = F.linear(h.index_select(0, rows), W.gate_up[e - e0])
+        y = F.linear(F.silu(gu[:, :f]) * gu[:, f:], W.down[e - e0])
         out[rows] += y * weights[rows, slot, None]
-    if W["shared"] is not None:
-        out += local._mlp(W["shared"], h)
+    if W.shared is not None:
+        out += local._mlp(W.shared, h)
     return out
 
 
@@ -375,14 +373,11 @@ def _deepseek_forward(local: Any, embed: VocabShard, head: VocabShard, experts: 
     cos, sin = local._rope_tables(step.positions)
     shared_sel = None
     for li, L in enumerate(local.layers):
-        h = F.rms_norm(x, (c.hidden_size,), L["attn_norm"], c.rms_norm_eps)
-        if c.attention == "mla":
-            a, shared_sel = local._mla(li, L, h, step, kv, cos, sin, shared_sel)
-        else:
-            a = local._gqa(li, L, h, step, kv, cos, sin)
+        h = F.rms_norm(x, (c.hidden_size,), L.attn_norm, c.rms_norm_eps)
+        a, shared_sel = local.attention(li, L.attn, h, step, kv, cos, sin, shared_sel)
         x = x + comm.all_reduce(a)
-        h = F.rms_norm(x, (c.hidden_size,), L["ffn_norm"], c.rms_norm_eps)
-        ff = _moe_local(local, L["moe"], h, experts) if "moe" in L else local._mlp(L["mlp"], h)
+        h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, c.rms_norm_eps)
+        ff = _moe_local(local, L.ffn, h, experts) if isinstance(L.ffn, DeepseekMoe) else local._mlp(L.ffn, h)
         x = x + comm.all_reduce(ff)
     h = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), local.norm, c.rms_norm_eps)
     return head.logits(h, comm)

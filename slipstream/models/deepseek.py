@@ -39,6 +39,8 @@ from slipstream.config import DeepseekConfig
 from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
 from slipstream.step import SeqSlice, StepInput
+from slipstream.weights.deepseek import (DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, Indexer,
+                                         MlaAttention, MtpLayer)
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use a fixed eps, not rms_norm_eps
 INDEXER_NORM_EPS = 1e-6
@@ -129,17 +131,13 @@ class DeepseekModel:
         self.embed: torch.Tensor = weights["embed"]
         self.lm_head: torch.Tensor = weights["lm_head"]
         self.norm: torch.Tensor = weights["norm"]
-        self.layers = [self._prepare(weights[f"layers.{i}"]) for i in range(cfg.num_layers)]
-        self.mtp = []
+        self.layers: list[DeepseekLayer] = [weights[f"layers.{i}"] for i in range(cfg.num_layers)]
+        self.mtp: list[MtpLayer] = []
         for j in range(cfg.num_nextn_predict_layers):
-            w = weights.get(f"mtp.{j}")
-            if w is None:
+            m = weights.get(f"mtp.{j}")
+            if m is None:
                 break
-            L = self._prepare(w)
-            L.update({k: w[k] for k in ("enorm", "hnorm", "eh_proj", "head_norm")})
-            L["head"] = w["head"] if w.get("head") is not None else self.lm_head
-            L["mtp_embed"] = w["embed"] if w.get("embed") is not None else self.embed
-            self.mtp.append(L)
+            self.mtp.append(m)
         self.inv_freq, self.rope_amp, softmax_mult = rope_parameters(cfg)
         if cfg.attention == "mla":
             self.scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * softmax_mult
@@ -147,22 +145,6 @@ class DeepseekModel:
             self.scale = cfg.head_dim ** -0.5
         # "auto": absorbed form for single-token (decode) rows, expanded keys/values for prefill
         self.mla_mode = "auto"
-
-    def _prepare(self, w: dict[str, Any]) -> dict[str, Any]:
-        c = self.cfg
-        L = dict(w)
-        if c.attention == "mla":
-            H, dn, dv, r = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-            kv_b = L.pop("kv_b").view(H, dn + dv, r)
-            L["w_uk"] = kv_b[:, :dn].contiguous()   # [H, dn, r]: latent -> key (no rope part)
-            L["w_uv"] = kv_b[:, dn:].contiguous()   # [H, dv, r]: latent -> value
-        else:
-            L["qkv"] = torch.cat([L.pop("q"), L.pop("k"), L.pop("v")]).contiguous()
-            biases = [w.get(n + "_bias") for n in ("q", "k", "v")]
-            L["qkv_bias"] = None if all(b is None for b in biases) else torch.cat(
-                [b if b is not None else torch.zeros(t.shape[0]) for b, t in
-                 zip(biases, (w["q"], w["k"], w["v"]))])
-        return L
 
     # -- cache --------------------------------------------------------------------------------
     @property
@@ -223,40 +205,49 @@ class DeepseekModel:
         if depth >= len(self.mtp):
             raise ValueError(f"the model has {len(self.mtp)} MTP layer(s) loaded, asked for depth {depth}")
         M = self.mtp[depth]
-        e = M["mtp_embed"].index_select(0, step.token_ids)
-        x = _linear(torch.cat([F.rms_norm(e, (c.hidden_size,), M["enorm"], c.rms_norm_eps),
-                               F.rms_norm(hidden, (c.hidden_size,), M["hnorm"], c.rms_norm_eps)], -1),
-                    M["eh_proj"])
+        embed = M.embed if M.embed is not None else self.embed
+        head = M.head if M.head is not None else self.lm_head
+        e = embed.index_select(0, step.token_ids)
+        x = _linear(torch.cat([F.rms_norm(e, (c.hidden_size,), M.enorm, c.rms_norm_eps),
+                               F.rms_norm(hidden, (c.hidden_size,), M.hnorm, c.rms_norm_eps)], -1),
+                    M.eh_proj)
         cos, sin = self._rope_tables(step.positions)
         x, _ = self._layer(c.num_layers + depth, M, x, step, kv, cos, sin, None)
-        h = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), M["head_norm"],
+        h = F.rms_norm(x.index_select(0, step.logits_rows), (c.hidden_size,), M.head_norm,
                        c.rms_norm_eps)
-        return _linear(h, M["head"]), x
+        return _linear(h, head), x
 
-    def _layer(self, li: int, L: dict, x: torch.Tensor, step: StepInput, kv, cos, sin, shared_sel):
+    def _layer(self, li: int, L: DeepseekLayer, x: torch.Tensor, step: StepInput, kv, cos, sin, shared_sel):
         c = self.cfg
-        h = F.rms_norm(x, (c.hidden_size,), L["attn_norm"], c.rms_norm_eps)
-        if c.attention == "mla":
-            a, shared_sel = self._mla(li, L, h, step, kv, cos, sin, shared_sel)
-        else:
-            a = self._gqa(li, L, h, step, kv, cos, sin)
+        h = F.rms_norm(x, (c.hidden_size,), L.attn_norm, c.rms_norm_eps)
+        a, shared_sel = self.attention(li, L.attn, h, step, kv, cos, sin, shared_sel)
         x = x + a
-        h = F.rms_norm(x, (c.hidden_size,), L["ffn_norm"], c.rms_norm_eps)
-        x = x + (self._moe(L["moe"], h) if "moe" in L else self._mlp(L["mlp"], h))
-        return x, shared_sel
+        h = F.rms_norm(x, (c.hidden_size,), L.ffn_norm, c.rms_norm_eps)
+        return x + self.ffn(L.ffn, h), shared_sel
+
+    def attention(self, li: int, A: MlaAttention | GqaAttention, h: torch.Tensor, step: StepInput, kv, cos, sin,
+                  shared_sel) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+        """(the attention output of layer `li` before the residual, the DSA selections a following
+        GLM-5 "shared" layer reuses)."""
+        if isinstance(A, MlaAttention):
+            return self._mla(li, A, h, step, kv, cos, sin, shared_sel)
+        return self._gqa(li, A, h, step, kv, cos, sin), shared_sel
+
+    def ffn(self, W: DenseMlp | DeepseekMoe, h: torch.Tensor) -> torch.Tensor:
+        return self._moe(W, h) if isinstance(W, DeepseekMoe) else self._mlp(W, h)
 
     # -- attention ----------------------------------------------------------------------------
-    def _gqa(self, li, L, h, step: StepInput, kv: PagedKVCache, cos, sin) -> torch.Tensor:
+    def _gqa(self, li, L: GqaAttention, h, step: StepInput, kv: PagedKVCache, cos, sin) -> torch.Tensor:
         c = self.cfg
         T = h.shape[0]
         H, KVH, D, rd = c.num_heads, c.num_kv_heads, c.head_dim, c.rope_dim
-        qkv = _linear(h, L["qkv"], L["qkv_bias"])
+        qkv = _linear(h, L.qkv, L.qkv_bias)
         q = qkv[:, :H * D].view(T, H, D)
         k = qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
         v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
         if c.qk_norm:
-            q = F.rms_norm(q, (D,), L["q_norm"], c.rms_norm_eps)
-            k = F.rms_norm(k, (D,), L["k_norm"], c.rms_norm_eps)
+            q = F.rms_norm(q, (D,), L.q_norm, c.rms_norm_eps)
+            k = F.rms_norm(k, (D,), L.k_norm, c.rms_norm_eps)
         q = torch.cat([rotate(q[..., :rd], cos, sin, False), q[..., rd:]], -1)
         k = torch.cat([rotate(k[..., :rd], cos, sin, False), k[..., rd:]], -1)
         kv.k[li].index_copy_(0, step.write_slots, k)
@@ -269,31 +260,30 @@ class DeepseekModel:
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
                                                        enable_gqa=KVH != H).transpose(0, 1))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return _linear(attn.reshape(T, H * D), L["o"], L.get("o_bias"))
+        return _linear(attn.reshape(T, H * D), L.o, L.o_bias)
 
-    def _mla(self, li, L, h, step: StepInput, kv: LatentKVCache, cos, sin, shared_sel):
+    def _mla(self, li, L: MlaAttention, h, step: StepInput, kv: LatentKVCache, cos, sin, shared_sel):
         c = self.cfg
         T = h.shape[0]
         H, dn, dr, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         if c.q_lora_rank is None:
             q_lat = None
-            q = _linear(h, L["q"])
+            q = _linear(h, L.q)
         else:
-            q_lat = F.rms_norm(_linear(h, L["q_a"], L.get("q_a_bias")), (c.q_lora_rank,),
-                               L["q_a_norm"], LATENT_NORM_EPS)
-            q = _linear(q_lat, L["q_b"])
+            q_lat = F.rms_norm(_linear(h, L.q_a, L.q_a_bias), (c.q_lora_rank,), L.q_a_norm, LATENT_NORM_EPS)
+            q = _linear(q_lat, L.q_b)
         q = q.view(T, H, dn + dr)
         q_nope, q_pe = q[..., :dn], rotate(q[..., dn:], cos, sin, c.rope_interleave)
-        kva = _linear(h, L["kv_a"], L.get("kv_a_bias"))
-        latent = F.rms_norm(kva[:, :r], (r,), L["kv_a_norm"], LATENT_NORM_EPS)
+        kva = _linear(h, L.kv_a, L.kv_a_bias)
+        latent = F.rms_norm(kva[:, :r], (r,), L.kv_a_norm, LATENT_NORM_EPS)
         k_pe = rotate(kva[:, r:], cos, sin, c.rope_interleave)
         kv.latent[li].index_copy_(0, step.write_slots, latent)
         kv.rope[li].index_copy_(0, step.write_slots, k_pe)
 
         selections: list[torch.Tensor | None] | None = None
         if c.dsa:
-            if "indexer" in L:
-                selections = self._index(li, L["indexer"], h, q_lat, step, kv, cos, sin)
+            if L.indexer is not None:
+                selections = self._index(li, L.indexer, h, q_lat, step, kv, cos, sin)
             else:  # GLM-5 "shared" layer: the previous full layer's choice
                 selections = shared_sel
         outs = []
@@ -307,7 +297,7 @@ class DeepseekModel:
             attend = self._mla_absorbed if absorbed else self._mla_naive
             outs.append(attend(L, q_nope[rows], q_pe[rows], lat, pe, mask))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return _linear(attn.reshape(T, H * c.v_head_dim), L["o"], L.get("o_bias")), selections
+        return _linear(attn.reshape(T, H * c.v_head_dim), L.o, L.o_bias), selections
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         scores = scores * self.scale
@@ -315,23 +305,23 @@ class DeepseekModel:
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1)
 
-    def _mla_naive(self, L, q_nope, q_pe, lat, pe, mask) -> torch.Tensor:
+    def _mla_naive(self, L: MlaAttention, q_nope, q_pe, lat, pe, mask) -> torch.Tensor:
         """Expand the context's latents into per-head keys/values. [n, H, dv]."""
-        k_nope = torch.einsum("cr,hdr->chd", lat, L["w_uk"])
-        v = torch.einsum("cr,hdr->chd", lat, L["w_uv"])
+        k_nope = torch.einsum("cr,hdr->chd", lat, L.w_uk)
+        v = torch.einsum("cr,hdr->chd", lat, L.w_uv)
         scores = torch.einsum("nhd,chd->hnc", q_nope, k_nope) + torch.einsum("nhd,cd->hnc", q_pe, pe)
         p = self._softmax(scores, mask)
         return torch.einsum("hnc,chd->nhd", p, v)
 
-    def _mla_absorbed(self, L, q_nope, q_pe, lat, pe, mask) -> torch.Tensor:
+    def _mla_absorbed(self, L: MlaAttention, q_nope, q_pe, lat, pe, mask) -> torch.Tensor:
         """Attend in latent space: W_uk folded into the query, W_uv applied after. [n, H, dv]."""
-        q_abs = torch.einsum("nhd,hdr->nhr", q_nope, L["w_uk"])
+        q_abs = torch.einsum("nhd,hdr->nhr", q_nope, L.w_uk)
         scores = torch.einsum("nhr,cr->hnc", q_abs, lat) + torch.einsum("nhd,cd->hnc", q_pe, pe)
         p = self._softmax(scores, mask)
         o_lat = torch.einsum("hnc,cr->nhr", p, lat)
-        return torch.einsum("nhr,hdr->nhd", o_lat, L["w_uv"])
+        return torch.einsum("nhr,hdr->nhd", o_lat, L.w_uv)
 
-    def _index(self, li, W, h, q_lat, step: StepInput, kv: LatentKVCache, cos, sin
+    def _index(self, li, W: Indexer, h, q_lat, step: StepInput, kv: LatentKVCache, cos, sin
                ) -> list[torch.Tensor | None]:
         """The lightning indexer: per sequence a [length, context] bool of the tokens each query may
         attend to (its top index_topk by index score), or None where the context holds no more."""
@@ -339,14 +329,14 @@ class DeepseekModel:
         T = h.shape[0]
         Hi, Di, dr = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
         il = c.index_rope_interleave
-        k = F.layer_norm(_linear(h, W["wk"]), (Di,), W["k_norm"], W["k_norm_bias"], INDEXER_NORM_EPS)
+        k = F.layer_norm(_linear(h, W.wk), (Di,), W.k_norm, W.k_norm_bias, INDEXER_NORM_EPS)
         k = torch.cat([rotate(k[:, :dr], cos, sin, il), k[:, dr:]], -1)
         kv.index_k[li].index_copy_(0, step.write_slots, k)
         if all(s.context <= c.index_topk for s in step.seqs):
             return [None] * len(step.seqs)
-        q = _linear(q_lat, W["wq_b"]).view(T, Hi, Di)
+        q = _linear(q_lat, W.wq_b).view(T, Hi, Di)
         q = torch.cat([rotate(q[..., :dr], cos, sin, il), q[..., dr:]], -1)
-        head_w = _linear(h, W["weights_proj"]) * Hi ** -0.5
+        head_w = _linear(h, W.weights_proj) * Hi ** -0.5
         out: list[torch.Tensor | None] = []
         for s in step.seqs:
             if s.context <= c.index_topk:
@@ -365,17 +355,17 @@ class DeepseekModel:
 
     # -- feed-forward -------------------------------------------------------------------------
     @staticmethod
-    def _mlp(W, h: torch.Tensor) -> torch.Tensor:
-        gu = _linear(h, W["gate_up"])
+    def _mlp(W: DenseMlp, h: torch.Tensor) -> torch.Tensor:
+        gu = _linear(h, W.gate_up)
         f = gu.shape[-1] // 2
-        return _linear(F.silu(gu[:, :f]) * gu[:, f:], W["down"])
+        return _linear(F.silu(gu[:, :f]) * gu[:, f:], W.down)
 
-    def route(self, W, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, W: DeepseekMoe, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k]) for each row of h."""
         c = self.cfg
         T, E = h.shape[0], c.n_routed_experts
-        scores = torch.sigmoid(_linear(h, W["router"]))
-        choice = scores if W["correction_bias"] is None else scores + W["correction_bias"]
+        scores = torch.sigmoid(_linear(h, W.router))
+        choice = scores if W.correction_bias is None else scores + W.correction_bias
         if c.n_group > 1:
             grouped = choice.view(T, c.n_group, E // c.n_group)
             group_score = grouped.topk(2, dim=-1).values.sum(-1)
@@ -388,15 +378,15 @@ class DeepseekModel:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return ids, w * c.routed_scaling_factor
 
-    def _moe(self, W, h: torch.Tensor) -> torch.Tensor:
+    def _moe(self, W: DeepseekMoe, h: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(W, h)
         out = torch.zeros_like(h)
-        f = W["gate_up"].shape[1] // 2
+        f = W.gate_up.shape[1] // 2
         for e in ids.unique().tolist():
             rows, slot = (ids == e).nonzero(as_tuple=True)
-            gu = _linear(h.index_select(0, rows), W["gate_up"][e])
-            y = _linear(F.silu(gu[:, :f]) * gu[:, f:], W["down"][e])
+            gu = _linear(h.index_select(0, rows), W.gate_up[e])
+            y = _linear(F.silu(gu[:, :f]) * gu[:, f:], W.down[e])
             out[rows] += y * weights[rows, slot, None]   # a row picks an expert at most once
-        if W["shared"] is not None:
-            out += self._mlp(W["shared"], h)
+        if W.shared is not None:
+            out += self._mlp(W.shared, h)
         return out

@@ -11,6 +11,8 @@ from safetensors import safe_open
 
 from slipstream.config import DeepseekConfig, ModelConfig, config_from_hf
 from slipstream.errors import ModelLoadError
+from slipstream.weights.deepseek import (DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, Indexer,
+                                         MlaAttention, MtpLayer)
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear
 
@@ -130,7 +132,8 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig | DeepseekConfig, dict
 
 
 def _deepseek_weights(cfg: DeepseekConfig, state: dict[str, torch.Tensor], folder: Path) -> dict[str, Any]:
-    """HF names -> the plain float32 tensors `slipstream.models.deepseek` reads (experts stacked)."""
+    """HF names -> the typed float32 layers `slipstream.models.deepseek` reads (`weights.deepseek`:
+    MLA's kv_b split per head, GQA's q/k/v fused, experts stacked)."""
     def get(name: str) -> torch.Tensor:
         if name not in state:
             raise ModelLoadError(f"{folder}: tensor {name} missing from the checkpoint")
@@ -139,53 +142,45 @@ def _deepseek_weights(cfg: DeepseekConfig, state: dict[str, torch.Tensor], folde
     def opt(name: str) -> torch.Tensor | None:
         return state[name].to(torch.float32) if name in state else None
 
-    def mlp(p: str) -> dict[str, torch.Tensor]:
-        return {"gate_up": torch.cat([get(p + "gate_proj.weight"), get(p + "up_proj.weight")]),
-                "down": get(p + "down_proj.weight")}
+    def mlp(p: str) -> DenseMlp:
+        return DenseMlp.fuse(get(p + "gate_proj.weight"), get(p + "up_proj.weight"), get(p + "down_proj.weight"))
 
-    def layer(i: int, mlp_type: str, indexer: bool) -> dict[str, Any]:
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        w: dict[str, Any] = {"attn_norm": get(p + "input_layernorm.weight"),
-                             "ffn_norm": get(p + "post_attention_layernorm.weight"),
-                             "o": get(a + "o_proj.weight"), "o_bias": opt(a + "o_proj.bias")}
+    def attention(a: str, indexer: bool) -> MlaAttention | GqaAttention:
+        o, o_bias = get(a + "o_proj.weight"), opt(a + "o_proj.bias")
         if cfg.attention == "gqa":
-            for n in ("q", "k", "v"):
-                w[n] = get(a + f"{n}_proj.weight")
-                w[n + "_bias"] = opt(a + f"{n}_proj.bias")
-            if cfg.qk_norm:
-                w["q_norm"] = get(a + "q_norm.weight")
-                w["k_norm"] = get(a + "k_norm.weight")
-        else:
-            if cfg.q_lora_rank is None:
-                w["q"] = get(a + "q_proj.weight")
-            else:
-                w["q_a"] = get(a + "q_a_proj.weight")
-                w["q_a_bias"] = opt(a + "q_a_proj.bias")
-                w["q_a_norm"] = get(a + "q_a_layernorm.weight")
-                w["q_b"] = get(a + "q_b_proj.weight")
-            w["kv_a"] = get(a + "kv_a_proj_with_mqa.weight")
-            w["kv_a_bias"] = opt(a + "kv_a_proj_with_mqa.bias")
-            w["kv_a_norm"] = get(a + "kv_a_layernorm.weight")
-            w["kv_b"] = get(a + "kv_b_proj.weight")
-        if indexer:
-            x = a + "indexer."
-            w["indexer"] = {"wq_b": get(x + "wq_b.weight"), "wk": get(x + "wk.weight"),
-                            "k_norm": get(x + "k_norm.weight"), "k_norm_bias": get(x + "k_norm.bias"),
-                            "weights_proj": get(x + "weights_proj.weight")}
+            return GqaAttention.fuse(
+                q=get(a + "q_proj.weight"), k=get(a + "k_proj.weight"), v=get(a + "v_proj.weight"), o=o,
+                q_bias=opt(a + "q_proj.bias"), k_bias=opt(a + "k_proj.bias"), v_bias=opt(a + "v_proj.bias"),
+                o_bias=o_bias, q_norm=get(a + "q_norm.weight") if cfg.qk_norm else None,
+                k_norm=get(a + "k_norm.weight") if cfg.qk_norm else None)
+        x = a + "indexer."
+        w_uk, w_uv = MlaAttention.split_kv_b(get(a + "kv_b_proj.weight"), cfg.num_heads, cfg.qk_nope_head_dim,
+                                             cfg.v_head_dim)
+        q_latent = cfg.q_lora_rank is not None
+        return MlaAttention(
+            kv_a=get(a + "kv_a_proj_with_mqa.weight"), kv_a_norm=get(a + "kv_a_layernorm.weight"),
+            w_uk=w_uk, w_uv=w_uv, o=o, o_bias=o_bias, kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
+            q=None if q_latent else get(a + "q_proj.weight"),
+            q_a=get(a + "q_a_proj.weight") if q_latent else None,
+            q_a_bias=opt(a + "q_a_proj.bias") if q_latent else None,
+            q_a_norm=get(a + "q_a_layernorm.weight") if q_latent else None,
+            q_b=get(a + "q_b_proj.weight") if q_latent else None,
+            indexer=Indexer(wq_b=get(x + "wq_b.weight"), wk=get(x + "wk.weight"), k_norm=get(x + "k_norm.weight"),
+                            k_norm_bias=get(x + "k_norm.bias"), weights_proj=get(x + "weights_proj.weight"))
+            if indexer else None)
+
+    def ffn(m: str, mlp_type: str) -> DenseMlp | DeepseekMoe:
         if mlp_type == "dense":
-            w["mlp"] = mlp(p + "mlp.")
-        else:
-            m = p + "mlp."
-            experts = [mlp(m + f"experts.{e}.") for e in range(cfg.n_routed_experts)]
-            w["moe"] = {
-                "router": get(m + "gate.weight"),
-                "correction_bias": opt(m + "gate.e_score_correction_bias"),
-                "gate_up": torch.stack([e["gate_up"] for e in experts]),
-                "down": torch.stack([e["down"] for e in experts]),
-                "shared": mlp(m + "shared_experts.") if cfg.n_shared_experts else None,
-            }
-        return w
+            return mlp(m)
+        return DeepseekMoe.stack(get(m + "gate.weight"), opt(m + "gate.e_score_correction_bias"),
+                                 [mlp(m + f"experts.{e}.") for e in range(cfg.n_routed_experts)],
+                                 mlp(m + "shared_experts.") if cfg.n_shared_experts else None)
+
+    def layer(i: int, mlp_type: str, indexer: bool) -> DeepseekLayer:
+        p = f"model.layers.{i}."
+        return DeepseekLayer(attn_norm=get(p + "input_layernorm.weight"),
+                             ffn_norm=get(p + "post_attention_layernorm.weight"),
+                             attn=attention(p + "self_attn.", indexer), ffn=ffn(p + "mlp.", mlp_type))
 
     weights: dict[str, Any] = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in state
@@ -200,10 +195,9 @@ def _deepseek_weights(cfg: DeepseekConfig, state: dict[str, torch.Tensor], folde
         p = f"model.layers.{i}."
         if p + "eh_proj.weight" not in state:
             break
-        w = layer(i, "sparse" if cfg.n_routed_experts else "dense", cfg.dsa)
-        w.update({"enorm": get(p + "enorm.weight"), "hnorm": get(p + "hnorm.weight"),
-                  "eh_proj": get(p + "eh_proj.weight"),
-                  "head_norm": get(p + "shared_head.norm.weight"),
-                  "head": opt(p + "shared_head.head.weight"), "embed": opt(p + "embed_tokens.weight")})
-        weights[f"mtp.{j}"] = w
+        L = layer(i, "sparse" if cfg.n_routed_experts else "dense", cfg.dsa)
+        weights[f"mtp.{j}"] = MtpLayer(
+            L.attn_norm, L.ffn_norm, L.attn, L.ffn, enorm=get(p + "enorm.weight"), hnorm=get(p + "hnorm.weight"),
+            eh_proj=get(p + "eh_proj.weight"), head_norm=get(p + "shared_head.norm.weight"),
+            head=opt(p + "shared_head.head.weight"), embed=opt(p + "embed_tokens.weight"))
     return weights

@@ -51,6 +51,7 @@ def tiny_llama(kind: str, seed: int = 0) -> Any:
 def tiny_deepseek(kind: str, seed: int = 0) -> Any:
     from slipstream.config import DeepseekConfig
     from slipstream.models.deepseek import DeepseekModel
+    from slipstream.weights.deepseek import DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, Indexer, MlaAttention
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_layers=3, num_heads=4, intermediate_size=96,
                   moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3,
@@ -67,37 +68,41 @@ def tiny_deepseek(kind: str, seed: int = 0) -> Any:
     g = _g(seed)
     Hd, H = cfg.hidden_size, cfg.num_heads
 
-    def mlp(f: int) -> dict[str, torch.Tensor]:
-        return {"gate_up": _mat(g, 2 * f, Hd), "down": _mat(g, Hd, f)}
+    def mlp(f: int) -> DenseMlp:
+        return DenseMlp(_mat(g, 2 * f, Hd), _mat(g, Hd, f))
 
     w: dict[str, Any] = {"embed": _mat(g, VOCAB, Hd), "norm": _norm(g, Hd), "lm_head": _mat(g, VOCAB, Hd)}
     for i, kind_i in enumerate(cfg.mlp_layer_types):
-        L: dict[str, Any] = {"attn_norm": _norm(g, Hd), "ffn_norm": _norm(g, Hd), "o_bias": None}
+        attn_norm, ffn_norm = _norm(g, Hd), _norm(g, Hd)
+        attn: MlaAttention | GqaAttention
         if cfg.attention == "mla":
             dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-            L.update(q_a=_mat(g, cfg.q_lora_rank, Hd), q_a_norm=_norm(g, cfg.q_lora_rank),
-                     q_b=_mat(g, H * (dn + dr), cfg.q_lora_rank), kv_a=_mat(g, r + dr, Hd), kv_a_norm=_norm(g, r),
-                     kv_b=_mat(g, H * (dn + dv), r), o=_mat(g, Hd, H * dv))
+            q_a, q_a_norm = _mat(g, cfg.q_lora_rank, Hd), _norm(g, cfg.q_lora_rank)
+            q_b, kv_a, kv_a_norm = _mat(g, H * (dn + dr), cfg.q_lora_rank), _mat(g, r + dr, Hd), _norm(g, r)
+            w_uk, w_uv = MlaAttention.split_kv_b(_mat(g, H * (dn + dv), r), H, dn, dv)
+            attn = MlaAttention(kv_a=kv_a, kv_a_norm=kv_a_norm, w_uk=w_uk, w_uv=w_uv, o=_mat(g, Hd, H * dv),
+                                q_a=q_a, q_a_norm=q_a_norm, q_b=q_b)
             if cfg.dsa:   # DeepSeek Sparse Attention's lightning indexer
                 Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-                L["indexer"] = {"wq_b": _mat(g, Hi * Di, cfg.q_lora_rank), "wk": _mat(g, Di, Hd),
-                                "k_norm": _norm(g, Di), "k_norm_bias": 0.2 * torch.randn(Di, generator=g),
-                                "weights_proj": _mat(g, Hi, Hd)}
+                attn.indexer = Indexer(wq_b=_mat(g, Hi * Di, cfg.q_lora_rank), wk=_mat(g, Di, Hd),
+                                       k_norm=_norm(g, Di), k_norm_bias=0.2 * torch.randn(Di, generator=g),
+                                       weights_proj=_mat(g, Hi, Hd))
         else:
             D, KVH = cfg.head_dim, cfg.num_kv_heads
-            L.update(q=_mat(g, H * D, Hd), k=_mat(g, KVH * D, Hd), v=_mat(g, KVH * D, Hd),
-                     q_bias=0.2 * torch.randn(H * D, generator=g), k_bias=0.2 * torch.randn(KVH * D, generator=g),
-                     v_bias=0.2 * torch.randn(KVH * D, generator=g), q_norm=_norm(g, D), k_norm=_norm(g, D),
-                     o=_mat(g, Hd, H * D))
+            attn = GqaAttention.fuse(
+                q=_mat(g, H * D, Hd), k=_mat(g, KVH * D, Hd), v=_mat(g, KVH * D, Hd),
+                q_bias=0.2 * torch.randn(H * D, generator=g), k_bias=0.2 * torch.randn(KVH * D, generator=g),
+                v_bias=0.2 * torch.randn(KVH * D, generator=g), q_norm=_norm(g, D), k_norm=_norm(g, D),
+                o=_mat(g, Hd, H * D))
+        ffn: DenseMlp | DeepseekMoe
         if kind_i == "dense":
-            L["mlp"] = mlp(cfg.intermediate_size)
+            ffn = mlp(cfg.intermediate_size)
         else:
             f, E = cfg.moe_intermediate_size, cfg.n_routed_experts
             experts = [mlp(f) for _ in range(E)]
-            L["moe"] = {"router": _mat(g, E, Hd), "correction_bias": 0.2 * torch.randn(E, generator=g),
-                        "gate_up": torch.stack([e["gate_up"] for e in experts]),
-                        "down": torch.stack([e["down"] for e in experts]), "shared": mlp(f)}
-        w[f"layers.{i}"] = L
+            router, bias = _mat(g, E, Hd), 0.2 * torch.randn(E, generator=g)
+            ffn = DeepseekMoe.stack(router, bias, experts, mlp(f))
+        w[f"layers.{i}"] = DeepseekLayer(attn_norm, ffn_norm, attn, ffn)
     return DeepseekModel(cfg, w)
 
 

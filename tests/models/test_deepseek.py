@@ -206,7 +206,7 @@ def test_rope_matches_hf(tiny: Tiny):
 def test_router_matches_hf(tiny: Tiny):
     """Expert choice (grouped top-k with the correction bias) and weights equal transformers' router."""
     h = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
-    ids, w = tiny.model.route(tiny.model.layers[1]["moe"], h)
+    ids, w = tiny.model.route(tiny.model.layers[1].ffn, h)
     with torch.no_grad():
         _, ref_w, ref_ids = tiny.hf.model.layers[1].mlp.gate(h)
     for row in range(h.shape[0]):   # same experts, same weights (order aside)
@@ -335,7 +335,7 @@ def test_dsa_sparsity_changes_the_result(tiny: Tiny):
         pytest.skip("dense attention")
     if tiny.name == "glm5":   # layer 1 reuses layer 0's selection
         assert tiny.hf.model.layers[1].self_attn.indexer is None
-        assert "indexer" not in tiny.model.layers[1] and "indexer" in tiny.model.layers[2]
+        assert tiny.model.layers[1].attn.indexer is None and tiny.model.layers[2].attn.indexer is not None
     toks = prompt(23, seed=11)
     ref = hf_logits(tiny.hf, toks)
     kv = tiny.model.new_kv_cache(num_blocks=8, block_size=4)
@@ -432,7 +432,7 @@ def test_fp8_checkpoint_matches_dequantized(tmp_path: Path):
     kv = model.new_kv_cache(num_blocks=8, block_size=4)
     ours = run_step(model, kv, [(SequenceKV(kv), 0, toks)], all_rows=True)
     assert_close(ours, hf_logits(ref_hf, toks))
-    assert torch.equal(weights["layers.1"]["kv_b"], deq["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert torch.equal(weights["layers.1"].attn.kv_b(), deq["model.layers.1.self_attn.kv_b_proj.weight"])
 
 
 # -- MTP ----------------------------------------------------------------------------------------
