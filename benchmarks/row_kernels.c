@@ -9,6 +9,11 @@
 //   cache, and 2-9% slower in the decode step (benchmarks/cpu_decode.py on llama.cpp-quantized files,
 //   quiet: Q5_0 85 vs 93.5 tok/s): removed. In-cache speed does not predict the streaming step.
 //
+//   q4 with the last G % 4 groups zero-padded into the four-group path and the min term folded into the
+//   same accumulator (one horizontal sum per row): slower at every row count here (rows 1: 14.7 vs 19.9
+//   MAC/ns, rows 8: 23.3 vs 24.0; 2026-11-24, loaded machine, same run): not kept.
+// The kernels run with the row count as a compile-time constant (SS_BY_ROWS), as the step calls them.
+//
 //   gcc -O2 -march=native -o /tmp/row_kernels benchmarks/row_kernels.c -lm && /tmp/row_kernels
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,7 +46,10 @@ static void q4_rows(void) {
         double one = 1e9;
         for (int r = 0; r < REPS; r++) {
             double t = now();
-            for (int n = 0; n < N; n++) q4q8_row(w + (size_t)n * K / 2, sc + n * G, mn + n * G, G, xq, xd, xs, nb, out);
+            // the row count is a compile-time constant in each call, as in the step (SS_BY_ROWS)
+#define Q4Q(NB) for (int n = 0; n < N; n++) q4q8_row(w + (size_t)n * K / 2, sc + n * G, mn + n * G, G, xq, xd, xs, NB, out)
+            SS_BY_ROWS(nb, Q4Q)
+#undef Q4Q
             if (now() - t < one) one = now() - t;
         }
         report("q4, one row per pass", nb, one);
@@ -65,7 +73,9 @@ static void raw_rows(int t, const char *name) {
         double fused = 1e9, decoded = 1e9;
         for (int r = 0; r < REPS / 4; r++) {
             double t0 = now();
-            for (int n = 0; n < N; n++) qt_q8_row(t, w + n * row, K, xq, xd, xs, nb, out);
+#define QTQ(NB) for (int n = 0; n < N; n++) qt_q8_row(t, w + n * row, K, xq, xd, xs, NB, out)
+            SS_BY_ROWS(nb, QTQ)
+#undef QTQ
             if (now() - t0 < fused) fused = now() - t0;
             if (!qt_per32(t)) continue;
             t0 = now();
