@@ -105,3 +105,153 @@ def check_native_step_against(hf, model, vocab: int, tokens: int, chunks: tuple[
     else:
         chosen = ref.gather(1, out.argmax(-1, keepdim=True))[:, 0]
         assert (chosen >= ref.max(-1).values - 0.1).all()
+
+
+# -- the families' tiny models against transformers (tests/models, test_model_info) ------------------
+
+def random_hf_model(cls, config, seed: int, norm: float = 1.0, bias: float | None = None):
+    """transformers' `cls(config)` in float32 with eager attention, every parameter re-drawn from
+    `seed` in `named_parameters` order (logits of order 1, so greedy choices are not near-ties): norm
+    weights `norm` + 0.2 N(0, 1) (0 for Gemma's (1 + w) norms), biases `bias` N(0, 1) where given (drawn
+    as the other weights otherwise), other weights N(0, 1) / sqrt(fan-in). Its generate() runs to
+    max_new_tokens (no EOS) and pads with token 0."""
+    import torch
+    config._attn_implementation = "eager"
+    model = cls(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(norm + 0.2 * torch.randn(p.shape, generator=g))
+            elif bias is not None and name.endswith("bias"):
+                p.copy_(bias * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class GGUFFromHF:
+    """A tiny GGUF written from a transformers model `hf` the way llama.cpp's converters write one: the
+    header keys every family has (with `head_dims` the key/value lengths too; the caller adds its
+    own through `.w`), tensors quantized by role (`quant`: the part of the name before ".weight";
+    vectors and other roles stay float32), and each quantized weight's dequantized values copied back
+    into `hf`, so that both compute on the same numbers. `close(extra)` writes the file, `extra(w)`
+    adding more metadata first (a tokenizer)."""
+
+    def __init__(self, hf, path, arch: str, quant: dict, head_dims: bool = True):
+        import gguf
+        import numpy as np
+        self.config = c = hf.config
+        self.w = w = gguf.GGUFWriter(str(path), arch)
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        if head_dims:
+            w.add_key_length(c.head_dim)
+            w.add_value_length(c.head_dim)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_vocab_size(c.vocab_size)
+        self.quant = quant
+        self.params = dict(hf.named_parameters())
+        self.state = {n: p.detach().numpy().astype(np.float32) for n, p in self.params.items()}
+
+    def put(self, dst: str, arr, back: str | None = None):
+        """Write `arr` as tensor `dst`; returns its (dequantized) values as a tensor, also copied into
+        the HF parameter `back` where given."""
+        import gguf
+        import numpy as np
+        import torch
+        role = dst.split(".")[-2] if dst.startswith("blk.") else dst.split(".")[0]
+        qt = self.quant.get(role, gguf.GGMLQuantizationType.F32)
+        if qt == gguf.GGMLQuantizationType.F32 or arr.ndim == 1:
+            self.w.add_tensor(dst, arr)
+            return torch.from_numpy(arr)
+        raw = gguf.quants.quantize(arr, qt)
+        self.w.add_tensor(dst, raw, raw_dtype=qt)
+        deq = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32))
+        if back is not None:
+            with torch.no_grad():
+                self.params[back].copy_(deq)
+        return deq
+
+    def put_params(self, layer_names: dict[str, str], norm_offset: float = 0.0) -> None:
+        """The embedding, final norm, LM head (when not tied) and each layer's `layer_names` (HF name
+        within the layer -> GGUF role), norms stored plus `norm_offset` (1 for Gemma's (1 + w))."""
+        c = self.config
+        names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+        if not c.tie_word_embeddings:
+            names["lm_head.weight"] = "output.weight"
+        for i in range(c.num_hidden_layers):
+            for src, dst in layer_names.items():
+                names[f"model.layers.{i}.{src}.weight"] = f"blk.{i}.{dst}.weight"
+        for src, dst in names.items():
+            arr = self.state[src]
+            self.put(dst, arr + norm_offset if norm_offset and "norm" in dst else arr, back=src)
+
+    def close(self, extra=None) -> None:
+        if extra is not None:
+            extra(self.w)
+        self.w.write_header_to_file()
+        self.w.write_kv_data_to_file()
+        self.w.write_tensors_to_file()
+        self.w.close()
+
+
+def gguf_tokenizer(w) -> None:
+    """A byte-level BPE vocabulary of 96 tokens (printable ASCII, then BOS and EOS), no merges: what
+    a tiny family GGUF needs to run through `LLM` or `slipstream inspect`."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x21 + i) for i in range(94)] + ["<s>", "</s>"])
+    w.add_token_types([1] * 94 + [3, 3])
+    w.add_token_merges([])
+    w.add_bos_token_id(94)
+    w.add_eos_token_id(95)
+
+
+def hf_and_ours(hf, root, fmt: str, write_gguf):
+    """(hf, our model on the same weights): from a Hugging Face folder saved under `root` (`fmt` "hf"),
+    or from the GGUF `write_gguf(path)` writes there (which gives `hf` the file's dequantized weights)."""
+    from slipstream.models import build_model
+    from slipstream.weights.gguf import load_gguf
+    from slipstream.weights.safetensors import load_hf
+    if fmt == "hf":
+        hf.save_pretrained(root, safe_serialization=True)
+        cfg, weights = load_hf(root)
+    else:
+        write_gguf(root / "m.gguf")
+        cfg, weights, _ = load_gguf(root / "m.gguf")
+    return hf, build_model(cfg, weights)
+
+
+def forward_chunk(model, kv, seq, start: int, toks: list[int], all_rows: bool = False):
+    """Logits of `toks` at positions start.. of `seq` (a `SequenceKV`), as one step: the last row's, or
+    every row's."""
+    from slipstream.step import StepBuilder
+    seq.reserve(start + len(toks))
+    b = StepBuilder()
+    b.add(seq, toks, start, logits="all" if all_rows else "last")
+    return model.forward(b.build(), kv)
+
+
+def check_greedy_matches_generate(hf, model, vocab: int, new_tokens: int, prompt: int = 5, seed: int = 6) -> None:
+    """Greedy decoding on the eager step (a prefill, then one decode step per token) gives
+    transformers' generate(do_sample=False) tokens for a random prompt."""
+    import torch
+
+    from slipstream.kv.blocks import SequenceKV
+    toks = torch.randint(0, vocab, (prompt,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([toks]), max_new_tokens=new_tokens, do_sample=False)[0, prompt:].tolist()
+    kv = model.new_kv_cache(num_blocks=8, block_size=4)
+    seq = SequenceKV(kv)
+    logits = forward_chunk(model, kv, seq, 0, toks)
+    ours = []
+    for i in range(new_tokens):
+        ours.append(int(logits[0].argmax()))
+        logits = forward_chunk(model, kv, seq, prompt + i, [ours[-1]])
+    assert ours == gen

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import skip_unless_default_model
+from support import gguf_tokenizer, skip_unless_default_model
 
 from slipstream.kernels.cpu import native_available
 
@@ -64,28 +64,18 @@ def _family_module(name: str):
     return mod
 
 
-def _tiny_tokenizer(w) -> None:
-    """A byte-level BPE vocabulary of 96 tokens (printable ASCII, then BOS and EOS), no merges."""
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(0x21 + i) for i in range(94)] + ["<s>", "</s>"])
-    w.add_token_types([1] * 94 + [3, 3])
-    w.add_token_merges([])
-    w.add_bos_token_id(94)
-    w.add_eos_token_id(95)
-
-
 def _write_family(family: str, path: Path) -> None:
     pytest.importorskip("transformers")
     if family == "gemma2":
         m = _family_module("test_gemma2")
-        m.write_gguf(m.hf_gemma2(), path, {}, _tiny_tokenizer)
+        m.write_gguf(m.hf_gemma2(), path, {}, gguf_tokenizer)
     elif family == "phi3":
         m = _family_module("test_phi3")
-        m.write_gguf(m.hf_phi3(0.75, True), path, {}, _tiny_tokenizer)
+        m.write_gguf(m.hf_phi3(0.75, True), path, {}, gguf_tokenizer)
     else:
         m = _family_module("test_qwen_moe")
         import gguf
-        m.write_gguf(m.hf_moe(family), path, family, {"ffn_up_exps": gguf.GGMLQuantizationType.Q8_0}, _tiny_tokenizer)
+        m.write_gguf(m.hf_moe(family), path, family, {"ffn_up_exps": gguf.GGMLQuantizationType.Q8_0}, gguf_tokenizer)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen2moe", "qwen3moe"])

@@ -39,8 +39,15 @@ from slipstream.config import DeepseekConfig
 from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import LatentKVCache, PagedKVCache
 from slipstream.step import SeqSlice, StepInput
-from slipstream.weights.deepseek import (DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, Indexer,
-                                         MlaAttention, MtpLayer)
+from slipstream.weights.deepseek import (
+    DeepseekLayer,
+    DeepseekMoe,
+    DenseMlp,
+    GqaAttention,
+    Indexer,
+    MlaAttention,
+    MtpLayer,
+)
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm use a fixed eps, not rms_norm_eps
 INDEXER_NORM_EPS = 1e-6

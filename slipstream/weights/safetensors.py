@@ -11,8 +11,15 @@ from safetensors import safe_open
 
 from slipstream.config import DeepseekConfig, ModelConfig, config_from_hf
 from slipstream.errors import ModelLoadError
-from slipstream.weights.deepseek import (DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, Indexer,
-                                         MlaAttention, MtpLayer)
+from slipstream.weights.deepseek import (
+    DeepseekLayer,
+    DeepseekMoe,
+    DenseMlp,
+    GqaAttention,
+    Indexer,
+    MlaAttention,
+    MtpLayer,
+)
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -22,31 +23,21 @@ def _module(name: str):
     return mod
 
 
-def _tokenizer(w) -> None:
-    """Byte-level BPE over printable ASCII (94 tokens), then BOS and EOS; no merges."""
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(0x21 + i) for i in range(94)] + ["<s>", "</s>"])
-    w.add_token_types([1] * 94 + [3, 3])
-    w.add_token_merges([])
-    w.add_bos_token_id(94)
-    w.add_eos_token_id(95)
-
-
 def _family(family: str, path: Path) -> torch.nn.Module:
     """transformers' model for `family`, with the weights of the GGUF written to `path`."""
     Q = gguf.GGMLQuantizationType
     if family == "gemma2":
         m = _module("test_gemma2")
         hf = m.hf_gemma2(seed=11)
-        m.write_gguf(hf, path, {"token_embd": Q.Q8_0, "ffn_down": Q.Q5_1}, _tokenizer)
+        m.write_gguf(hf, path, {"token_embd": Q.Q8_0, "ffn_down": Q.Q5_1}, gguf_tokenizer)
     elif family == "phi3":
         m = _module("test_phi3")
         hf = m.hf_phi3(0.75, True, seed=11)
-        m.write_gguf(hf, path, {"attn_qkv": Q.Q8_0}, _tokenizer)
+        m.write_gguf(hf, path, {"attn_qkv": Q.Q8_0}, gguf_tokenizer)
     else:
         m = _module("test_qwen_moe")
         hf = m.hf_moe(family, seed=11)
-        m.write_gguf(hf, path, family, {"ffn_gate_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0}, _tokenizer)
+        m.write_gguf(hf, path, family, {"ffn_gate_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0}, gguf_tokenizer)
     return hf
 
 

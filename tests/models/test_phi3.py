@@ -20,7 +20,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
-from support import check_native_step_against  # noqa: E402
+from support import (  # noqa: E402
+    GGUFFromHF,
+    check_greedy_matches_generate,
+    check_native_step_against,
+    forward_chunk,
+    hf_and_ours,
+    random_hf_model,
+)
 
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
 from slipstream.models import build_model  # noqa: E402
@@ -28,7 +35,6 @@ from slipstream.models.llama import LlamaModel  # noqa: E402
 from slipstream.runtime import registry  # noqa: E402
 from slipstream.step import StepBuilder  # noqa: E402
 from slipstream.weights.gguf import load_gguf  # noqa: E402
-from slipstream.weights.safetensors import load_hf  # noqa: E402
 
 VOCAB = 96
 ATOL = 1e-4
@@ -52,19 +58,7 @@ def phi_config(partial: float, tied: bool, longrope: bool = True, window: int | 
 
 def hf_phi3(partial: float, tied: bool, seed: int = 0, longrope: bool = True,
             window: int | None = None) -> torch.nn.Module:
-    config = phi_config(partial, tied, longrope, window)
-    config._attn_implementation = "eager"
-    model = transformers.Phi3ForCausalLM(config).to(torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return random_hf_model(transformers.Phi3ForCausalLM, phi_config(partial, tied, longrope, window), seed)
 
 
 HF_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up",
@@ -73,53 +67,25 @@ HF_TO_GGUF = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output
 
 def write_gguf(hf: torch.nn.Module, path: Path, quant: dict[str, gguf.GGMLQuantizationType],
                extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
-    """As llama.cpp's Phi3MiniModel converter; hf gets the file's (dequantized) weights back."""
+    """As llama.cpp's Phi3MiniModel converter; hf gets the file's (dequantized) weights back. `extra`
+    adds metadata (a tokenizer, for `slipstream inspect`)."""
     import math
     c = hf.config
     rope = c.rope_parameters
     head_dim = c.hidden_size // c.num_attention_heads
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
+    f = GGUFFromHF(hf, path, "phi3", quant, head_dims=False)
+    w = f.w
     w.add_rope_scaling_orig_ctx_len(ORIG)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     w.add_rope_freq_base(rope["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
     w.add_sliding_window(c.sliding_window or 0)   # as the converter: 0 when the config has none
     if rope["rope_type"] == "longrope":
         scale = c.max_position_embeddings / ORIG
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(ORIG)))
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    params = dict(hf.named_parameters())
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if not c.tie_word_embeddings:
-        names["lm_head.weight"] = "output.weight"
-    for i in range(c.num_hidden_layers):
-        for src, dst in HF_TO_GGUF.items():
-            names[f"model.layers.{i}.{src}.weight"] = f"blk.{i}.{dst}.weight"
-    for src, dst in names.items():
-        arr = params[src].detach().numpy().astype(np.float32)
-        role = dst.split(".")[-2] if dst.startswith("blk.") else dst.split(".")[0]
-        qt = quant.get(role, gguf.GGMLQuantizationType.F32)
-        if qt == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(dst, arr)
-            continue
-        raw = gguf.quants.quantize(arr, qt)
-        w.add_tensor(dst, raw, raw_dtype=qt)
-        with torch.no_grad():
-            params[src].copy_(torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)))
-    if extra is not None:   # more metadata (a tokenizer, for `slipstream inspect`)
-        extra(w)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    f.put_params(HF_TO_GGUF)
+    f.close(extra)
 
 
 # (format, partial rotary factor, tied embeddings): Phi-3.5-mini-like and Phi-4-mini-like
@@ -129,24 +95,10 @@ CASES = [("hf", 1.0, False), ("gguf", 1.0, False), ("hf", 0.75, True), ("gguf", 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-rot{p[1]}")
 def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, LlamaModel]:
     fmt, partial, tied = request.param
+    Q = gguf.GGMLQuantizationType
+    quant = {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
     hf = hf_phi3(partial, tied, seed=3)
-    root = tmp_path_factory.mktemp("phi3")
-    if fmt == "hf":
-        hf.save_pretrained(root, safe_serialization=True)
-        cfg, weights = load_hf(root)
-    else:
-        Q = gguf.GGMLQuantizationType
-        quant = {"token_embd": Q.Q8_0, "attn_qkv": Q.Q5_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
-        write_gguf(hf, root / "p.gguf", quant)
-        cfg, weights, _ = load_gguf(root / "p.gguf")
-    return hf, build_model(cfg, weights)
-
-
-def run(model, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
-    seq.reserve(start + len(toks))
-    b = StepBuilder()
-    b.add(seq, toks, start, logits="all" if all_rows else "last")
-    return model.forward(b.build(), kv)
+    return hf_and_ours(hf, tmp_path_factory.mktemp("phi3"), fmt, lambda path: write_gguf(hf, path, quant))
 
 
 def test_config(pair):
@@ -176,10 +128,10 @@ def test_short_sequence_prefill_chunks_and_decode(pair):
         ref = hf(torch.tensor([toks])).logits[0].float()   # 16 tokens: the short factors
     kv = m.new_kv_cache(num_blocks=12, block_size=4)
     seq = SequenceKV(kv)
-    torch.testing.assert_close(run(m, kv, seq, 0, toks[:7], all_rows=True), ref[:7], atol=ATOL, rtol=0)
-    torch.testing.assert_close(run(m, kv, seq, 7, toks[7:12], all_rows=True), ref[7:12], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 0, toks[:7], all_rows=True), ref[:7], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 7, toks[7:12], all_rows=True), ref[7:12], atol=ATOL, rtol=0)
     for p in range(12, ORIG):
-        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+        torch.testing.assert_close(forward_chunk(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
 
 
 def test_long_sequence_uses_the_long_factors(pair):
@@ -191,10 +143,10 @@ def test_long_sequence_uses_the_long_factors(pair):
     assert (ref[:ORIG] - short).abs().max() > 1e-2           # the two sets differ enough to tell apart
     kv = m.new_kv_cache(num_blocks=12, block_size=4)
     seq = SequenceKV(kv)
-    torch.testing.assert_close(run(m, kv, seq, 0, toks[:20], all_rows=True), ref[:20], atol=ATOL, rtol=0)
-    torch.testing.assert_close(run(m, kv, seq, 20, toks[20:24], all_rows=True), ref[20:24], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 0, toks[:20], all_rows=True), ref[:20], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 20, toks[20:24], all_rows=True), ref[20:24], atol=ATOL, rtol=0)
     for p in range(24, 28):
-        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+        torch.testing.assert_close(forward_chunk(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
 
 
 def test_batched_short_and_long_sequences(pair):
@@ -203,7 +155,7 @@ def test_batched_short_and_long_sequences(pair):
     a = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8)).tolist()
     b = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(9)).tolist()
     kv = m.new_kv_cache(num_blocks=16, block_size=4)
-    alone = [run(m, kv, SequenceKV(kv), 0, t)[0] for t in (a, b)]
+    alone = [forward_chunk(m, kv, SequenceKV(kv), 0, t)[0] for t in (a, b)]
     sa, sb = SequenceKV(kv), SequenceKV(kv)
     sa.reserve(len(a))
     sb.reserve(len(b))
@@ -215,19 +167,7 @@ def test_batched_short_and_long_sequences(pair):
 
 
 def test_greedy_matches_generate(pair):
-    hf, m = pair
-    toks = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6)).tolist()
-    n = ORIG - len(toks)   # stays within the short factors (see the module's docstring)
-    with torch.no_grad():
-        gen = hf.generate(torch.tensor([toks]), max_new_tokens=n, do_sample=False)[0, 5:].tolist()
-    kv = m.new_kv_cache(num_blocks=8, block_size=4)
-    seq = SequenceKV(kv)
-    logits = run(m, kv, seq, 0, toks)
-    ours = []
-    for i in range(n):
-        ours.append(int(logits[0].argmax()))
-        logits = run(m, kv, seq, len(toks) + i, [ours[-1]])
-    assert ours == gen
+    check_greedy_matches_generate(*pair, VOCAB, ORIG - 5)   # within the short factors (see the module's docstring)
 
 
 def test_plain_phi3_runs_on_the_native_runtime(tmp_path):
@@ -251,7 +191,7 @@ def test_plain_phi3_runs_on_the_native_runtime(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].float()
     kv = m.new_kv_cache(num_blocks=8, block_size=4)
-    torch.testing.assert_close(run(m, kv, SequenceKV(kv), 0, toks, all_rows=True), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, SequenceKV(kv), 0, toks, all_rows=True), ref, atol=ATOL, rtol=0)
     if load_library() is None:
         pytest.skip("native CPU kernels unavailable")
     from slipstream.runtime.cpu_team import CpuTeamDecoder
@@ -297,13 +237,9 @@ def test_a_sliding_window_masks_every_layer(tmp_path, fmt):
     """Phi-3-mini-4k's sliding_window (2047 there, 5 here) limits every layer's attention, as transformers
     computes it; the step is then eager-only."""
     hf = hf_phi3(1.0, False, seed=8, longrope=False, window=5)
-    if fmt == "hf":
-        hf.save_pretrained(tmp_path, safe_serialization=True)
-        cfg, weights = load_hf(tmp_path)
-    else:
-        write_gguf(hf, tmp_path / "w.gguf", {"attn_qkv": gguf.GGMLQuantizationType.Q8_0})
-        cfg, weights, _ = load_gguf(tmp_path / "w.gguf")
-    m = build_model(cfg, weights)
+    quant = {"attn_qkv": gguf.GGMLQuantizationType.Q8_0}
+    _, m = hf_and_ours(hf, tmp_path, fmt, lambda path: write_gguf(hf, path, quant))
+    cfg = m.cfg
     assert cfg.layer_types == ("sliding",) * 3 and cfg.sliding_window == 5 and isinstance(m, LlamaModel)
     toks = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
@@ -314,9 +250,9 @@ def test_a_sliding_window_masks_every_layer(tmp_path, fmt):
     assert (ref[6:] - unwindowed[6:]).abs().max() > 1e-2          # the window matters here
     kv = m.new_kv_cache(num_blocks=8, block_size=4)
     seq = SequenceKV(kv)
-    torch.testing.assert_close(run(m, kv, seq, 0, toks[:8], all_rows=True), ref[:8], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 0, toks[:8], all_rows=True), ref[:8], atol=ATOL, rtol=0)
     for p in range(8, 14):
-        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+        torch.testing.assert_close(forward_chunk(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
 
 
 NATIVE_TOKENS = 14

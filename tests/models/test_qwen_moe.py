@@ -16,15 +16,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
+from support import GGUFFromHF, check_greedy_matches_generate, forward_chunk, hf_and_ours, random_hf_model  # noqa: E402
+
 from slipstream.kv.blocks import SequenceKV  # noqa: E402
-from slipstream.models import build_model  # noqa: E402
 from slipstream.models.llama import LlamaModel  # noqa: E402
 from slipstream.models.qwen_moe import QwenMoeModel  # noqa: E402
 from slipstream.runtime import registry  # noqa: E402
 from slipstream.step import StepBuilder  # noqa: E402
-from slipstream.weights.gguf import load_gguf  # noqa: E402
 from slipstream.weights.moe import MoeLayer  # noqa: E402
-from slipstream.weights.safetensors import load_hf  # noqa: E402
 
 VOCAB = 96
 ATOL = 1e-4
@@ -38,101 +37,61 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_l
 def hf_moe(family: str, seed: int = 0) -> torch.nn.Module:
     if family == "qwen2moe":
         config = transformers.Qwen2MoeConfig(**BASE, shared_expert_intermediate_size=FS, norm_topk_prob=False)
-        cls = transformers.Qwen2MoeForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(**BASE, norm_topk_prob=True)
-        cls = transformers.Qwen3MoeForCausalLM
-    config._attn_implementation = "eager"
-    model = cls(config).to(torch.float32).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+        return random_hf_model(transformers.Qwen2MoeForCausalLM, config, seed, bias=0.1)
+    config = transformers.Qwen3MoeConfig(**BASE, norm_topk_prob=True)
+    return random_hf_model(transformers.Qwen3MoeForCausalLM, config, seed, bias=0.1)
 
 
 def write_gguf(hf: torch.nn.Module, path: Path, family: str, quant: dict[str, gguf.GGMLQuantizationType],
                extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
-    """As llama.cpp's converter (experts stacked [E, N, K]); hf gets the file's (dequantized) weights back."""
+    """As llama.cpp's converter (experts stacked [E, N, K]); hf gets the file's (dequantized) weights back.
+    `extra` adds metadata (a tokenizer, for `slipstream inspect`)."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), family)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_expert_count(E)
-    w.add_expert_used_count(TOPK)
-    w.add_expert_feed_forward_length(FE)
+    f = GGUFFromHF(hf, path, family, quant)
+    f.w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    f.w.add_expert_count(E)
+    f.w.add_expert_used_count(TOPK)
+    f.w.add_expert_feed_forward_length(FE)
     if family == "qwen2moe":
-        w.add_expert_shared_feed_forward_length(FS)
-    w.add_vocab_size(c.vocab_size)
-    params = {n: p for n, p in hf.named_parameters()}
-    state = {n: p.detach().numpy().astype(np.float32) for n, p in params.items()}
+        f.w.add_expert_shared_feed_forward_length(FS)
+    state = f.state
 
-    def put(dst: str, arr: np.ndarray, role: str, back: str | None = None) -> torch.Tensor:
-        """Write arr as dst; its dequantized values (copied back into HF parameter `back` if given)."""
-        qt = quant.get(role, gguf.GGMLQuantizationType.F32)
-        if qt == gguf.GGMLQuantizationType.F32 or arr.ndim == 1:
-            w.add_tensor(dst, arr)
-            return torch.from_numpy(arr)
-        raw = gguf.quants.quantize(arr, qt)
-        w.add_tensor(dst, raw, raw_dtype=qt)
-        deq = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32))
-        if back is not None:
-            with torch.no_grad():
-                params[back].copy_(deq)
-        return deq
+    def put(dst: str, src: str) -> None:
+        f.put(dst, state[src], back=src)
 
-    put("token_embd.weight", state["model.embed_tokens.weight"], "token_embd", "model.embed_tokens.weight")
-    put("output_norm.weight", state["model.norm.weight"], "norm")
-    put("output.weight", state["lm_head.weight"], "output", "lm_head.weight")
+    put("token_embd.weight", "model.embed_tokens.weight")
+    put("output_norm.weight", "model.norm.weight")
+    put("output.weight", "lm_head.weight")
     for i in range(c.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for src, dst in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
                          ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output")):
-            put(b + dst + ".weight", state[p + src + ".weight"], dst, p + src + ".weight")
+            put(b + dst + ".weight", p + src + ".weight")
             if p + src + ".bias" in state:
-                w.add_tensor(b + dst + ".bias", state[p + src + ".bias"])
+                put(b + dst + ".bias", p + src + ".bias")
         for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
                          ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm")):
             if p + src + ".weight" in state:
-                w.add_tensor(b + dst + ".weight", state[p + src + ".weight"])
+                put(b + dst + ".weight", p + src + ".weight")
         m = p + "mlp."
         if i in c.mlp_only_layers:
             for proj, dst in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-                put(b + dst + ".weight", state[m + proj + ".weight"], dst, m + proj + ".weight")
+                put(b + dst + ".weight", m + proj + ".weight")
             continue
-        w.add_tensor(b + "ffn_gate_inp.weight", state[m + "gate.weight"])
-        gate_up, down = state[m + "experts.gate_up_proj"], state[m + "experts.down_proj"]   # [E, 2F, K], [E, K, F]
-        g = put(b + "ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :FE]), "ffn_gate_exps")
-        u = put(b + "ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, FE:]), "ffn_up_exps")
-        put(b + "ffn_down_exps.weight", down, "ffn_down_exps", m + "experts.down_proj")
+        put(b + "ffn_gate_inp.weight", m + "gate.weight")
+        gate_up = state[m + "experts.gate_up_proj"]   # [E, 2F, K]; down_proj [E, K, F]
+        g = f.put(b + "ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :FE]))
+        u = f.put(b + "ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, FE:]))
+        put(b + "ffn_down_exps.weight", m + "experts.down_proj")
         with torch.no_grad():
-            params[m + "experts.gate_up_proj"].copy_(torch.cat([g, u], dim=1))
+            f.params[m + "experts.gate_up_proj"].copy_(torch.cat([g, u], dim=1))
         if family == "qwen2moe":
             s = m + "shared_expert."
-            for proj, dst in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
-                put(b + dst + ".weight", state[s + proj + ".weight"], dst, s + proj + ".weight")
-            w.add_tensor(b + "ffn_gate_inp_shexp.weight", state[m + "shared_expert_gate.weight"].reshape(-1))
-    if extra is not None:   # more metadata (a tokenizer, for `slipstream inspect`)
-        extra(w)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            for proj, dst in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                              ("down_proj", "ffn_down_shexp")):
+                put(b + dst + ".weight", s + proj + ".weight")
+            f.put(b + "ffn_gate_inp_shexp.weight", state[m + "shared_expert_gate.weight"].reshape(-1))
+    f.close(extra)
 
 
 CASES = [(f, fmt) for f in ("qwen2moe", "qwen3moe") for fmt in ("hf", "gguf")]
@@ -141,25 +100,11 @@ CASES = [(f, fmt) for f in ("qwen2moe", "qwen3moe") for fmt in ("hf", "gguf")]
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, QwenMoeModel]:
     family, fmt = request.param
+    Q = gguf.GGMLQuantizationType
+    quant = {"token_embd": Q.Q8_0, "attn_q": Q.Q5_0, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0,
+             "ffn_down_exps": Q.Q5_1, "ffn_down_shexp": Q.Q8_0, "ffn_up": Q.Q8_0}
     hf = hf_moe(family, seed=3)
-    root = tmp_path_factory.mktemp(family)
-    if fmt == "hf":
-        hf.save_pretrained(root, safe_serialization=True)
-        cfg, weights = load_hf(root)
-    else:
-        Q = gguf.GGMLQuantizationType
-        write_gguf(hf, root / "m.gguf", family, {"token_embd": Q.Q8_0, "attn_q": Q.Q5_0, "ffn_gate_exps": Q.Q8_0,
-                                                 "ffn_up_exps": Q.Q4_0, "ffn_down_exps": Q.Q5_1,
-                                                 "ffn_down_shexp": Q.Q8_0, "ffn_up": Q.Q8_0})
-        cfg, weights, _ = load_gguf(root / "m.gguf")
-    return hf, build_model(cfg, weights)
-
-
-def run(model, kv, seq: SequenceKV, start: int, toks: list[int], all_rows: bool = False) -> torch.Tensor:
-    seq.reserve(start + len(toks))
-    b = StepBuilder()
-    b.add(seq, toks, start, logits="all" if all_rows else "last")
-    return model.forward(b.build(), kv)
+    return hf_and_ours(hf, tmp_path_factory.mktemp(family), fmt, lambda path: write_gguf(hf, path, family, quant))
 
 
 def test_config_and_layers(pair):
@@ -188,10 +133,10 @@ def test_prefill_chunks_and_decode_match_transformers(pair):
         ref = hf(torch.tensor([toks])).logits[0].float()
     kv = m.new_kv_cache(num_blocks=12, block_size=4)
     seq = SequenceKV(kv)
-    torch.testing.assert_close(run(m, kv, seq, 0, toks[:9], all_rows=True), ref[:9], atol=ATOL, rtol=0)
-    torch.testing.assert_close(run(m, kv, seq, 9, toks[9:14], all_rows=True), ref[9:14], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 0, toks[:9], all_rows=True), ref[:9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(forward_chunk(m, kv, seq, 9, toks[9:14], all_rows=True), ref[9:14], atol=ATOL, rtol=0)
     for p in range(14, 20):
-        torch.testing.assert_close(run(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
+        torch.testing.assert_close(forward_chunk(m, kv, seq, p, [toks[p]])[0], ref[p], atol=ATOL, rtol=0)
 
 
 def test_batched_rows_match_alone(pair):
@@ -199,7 +144,7 @@ def test_batched_rows_match_alone(pair):
     _, m = pair
     seqs = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(10 + n)).tolist() for n in (3, 9, 5)]
     kv = m.new_kv_cache(num_blocks=24, block_size=4)
-    alone = torch.stack([run(m, kv, SequenceKV(kv), 0, t)[0] for t in seqs])
+    alone = torch.stack([forward_chunk(m, kv, SequenceKV(kv), 0, t)[0] for t in seqs])
     step = StepBuilder()
     for t in seqs:
         s = SequenceKV(kv)
@@ -209,18 +154,7 @@ def test_batched_rows_match_alone(pair):
 
 
 def test_greedy_matches_generate(pair):
-    hf, m = pair
-    toks = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        gen = hf.generate(torch.tensor([toks]), max_new_tokens=12, do_sample=False)[0, 5:].tolist()
-    kv = m.new_kv_cache(num_blocks=8, block_size=4)
-    seq = SequenceKV(kv)
-    logits = run(m, kv, seq, 0, toks)
-    ours = []
-    for i in range(12):
-        ours.append(int(logits[0].argmax()))
-        logits = run(m, kv, seq, len(toks) + i, [ours[-1]])
-    assert ours == gen
+    check_greedy_matches_generate(*pair, VOCAB, 12)
 
 
 def test_tensor_parallelism_refuses_it(pair):
