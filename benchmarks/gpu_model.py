@@ -49,6 +49,12 @@ Assumptions (H100 SXM5 80 GB) and their sources
   the megakernel's 32-byte stack is libdevice's sin/cos argument reduction for huge angles, a branch
   outside every matvec/attention loop; until 2026-11-24 the model charged 8 round trips per iteration
   of every loop for it).
+- Each opcode's code outside its innermost loops (set-up, reductions after a loop, stores: read per
+  branch from the SASS line info) is charged at its issue rate once per task (per batch row for the
+  attention and argmax branches, which loop over rows); its load latencies are not. The graph
+  path's kernels likewise: each program's code outside its innermost loops, once per program (both
+  added 2026-11-24: before, code moved out of a loop looked free). Code on rarely taken paths
+  (libdevice's sin/cos reduction of huge angles in the QKV/RoPE branch) is charged too.
 """
 from __future__ import annotations
 
@@ -138,9 +144,24 @@ def _in_flight(loop: sass.Loop, strong: bool = False) -> int:
     return 2
 
 
+def _async_stages(loop: sass.Loop) -> int:
+    """Chunks in flight in a loop that Triton's pipeliner turned into asynchronous copies to shared
+    memory (LDGSTS, cp.async): a wait `DEPBAR.LE SB0, N` leaves N later chunks in flight while this
+    one is used, so N + 1 (the smallest N of the loop's waits); 0 when the loop has no LDGSTS."""
+    import re
+    if not any(i.base == "LDGSTS" for i in loop.insts):
+        return 0
+    ns = [int(m.group(1), 16) for i in loop.insts if i.base == "DEPBAR"
+          for m in [re.search(r"SB0,\s*0x([0-9a-f]+)", i.operands)] if m]
+    return min(ns) + 1 if ns else 1
+
+
 def loop_cost(loop: sass.Loop) -> LoopCost:
     c = loop.counts
     weights = sum(i.load_bytes for i in loop.insts if i.base == "LDG" and "STRONG" not in i.opcode)
+    stages = _async_stages(loop)
+    if stages:   # cp.async: weights and activations alike, `stages` chunks in flight (bytes: from the plan)
+        return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], 0, stages, stages, c["LDL"] + c["STL"])
     return LoopCost(loop.size, c["BAR"], c["LDG_BYTES"], weights, _in_flight(loop), _in_flight(loop, strong=True),
                     c["LDL"] + c["STL"])
 
@@ -179,6 +200,21 @@ class MegakernelCode:
     regs: int
     spill: int
     warps: int
+    spin: LoopCost | None = None    # the wait's spin loop (with PREFETCH=1 it also reads an O-tile chunk)
+    straight: dict[int, LoopCost] | None = None   # opcode -> its branch's code outside innermost loops
+
+
+def _spin_lines(src: list[str]) -> set[int]:
+    """Source lines of the body of `_megakernel`'s spin loop (`while (seen < target) ...`)."""
+    first = next(i for i, t in enumerate(src) if t.strip().startswith("while (seen < target)"))
+    indent = len(src[first]) - len(src[first].lstrip())
+    out = set()
+    for j in range(first + 1, len(src)):
+        t = src[j]
+        if t.strip() and len(t) - len(t.lstrip()) <= indent:
+            break
+        out.add(j + 1)
+    return out
 
 
 def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCode:
@@ -190,10 +226,14 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
     from slipstream.kernels.triton import megakernel as kernel_src
     branches, src = _op_branches(Path(kernel_src.__file__))
     per_op: dict[int, list[tuple[str, LoopCost]]] = {}
+    spin_src = _spin_lines(src)
+    spin = None
     for lp in sass.loops(text):
         if not lp.innermost:
             continue
         lines = sorted(ln for f, ln in lp.lines() if f == "megakernel.py")
+        if spin is None and spin_src & set(lines) and any("STRONG" in i.opcode for i in lp.insts if i.base == "LDG"):
+            spin = loop_cost(lp)
         # ptxas may merge identical tails of two branches: such a loop counts for each of them
         ops = [o for o, (a, b) in branches.items() if any(a <= ln <= b for ln in lines)]
         for op in ops:
@@ -201,6 +241,23 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
             body = "\n".join(src[ln - 1] for ln in lines if a <= ln <= b)
             kind = next((kd for key, kd in KINDS if key in body), "other")
             per_op.setdefault(op, []).append((kind, loop_cost(lp)))
+    # each branch's code outside its innermost loops (set-up, loop tails, reductions after a loop,
+    # stores), issued once per task (per batch row where the branch loops over rows)
+    insts, _ = sass.parse(text)
+    looped: set[int] = set()
+    for lp in sass.loops(text):
+        if lp.innermost:
+            looped.update(range(lp.start, lp.end + 1))
+    straight: dict[int, LoopCost] = {}
+    for j, ins in enumerate(insts):
+        if j in looped or Path(ins.file).name != "megakernel.py":
+            continue
+        for op, (a, b) in branches.items():
+            if a <= ins.line <= b:
+                sc = straight.setdefault(op, LoopCost(0, 0, 0, 0, 1))
+                sc.instructions += 1
+                sc.barriers += ins.base == "BAR"
+                sc.local_ops += ins.base in ("LDL", "STL")
     consts = kernel_constants(plan)
     t = plan.tiles
     qkv_tile = plan.head_dim // 2 // getattr(t, "qkv_parts", 1)
@@ -216,7 +273,7 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
             if twin is None:
                 raise RuntimeError(f"no matvec loop found for opcode {op} in the compiled megakernel")
             per_op.setdefault(op, []).extend((kd, lc) for kd, lc in per_op[twin] if kd == "mv")
-    return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps)
+    return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps, spin, straight)
 
 
 def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, int],
@@ -238,6 +295,9 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
     rows_of = {Op.QKV_ROPE: qkv_rows, Op.O_PROJ: t1 - t0, Op.GATE_UP: t1 - t0, Op.DOWN: t1 - t0, Op.LM_HEAD: t1 - t0}
     k_of = {Op.QKV_ROPE: Hd, Op.O_PROJ: plan.num_heads * D, Op.GATE_UP: Hd, Op.DOWN: F, Op.LM_HEAD: Hd}
     mv_loops = [lc for kd, lc in loops if kd == "mv"]
+    if code.straight and op in code.straight:
+        per_row = op in (Op.ATTN_SPLIT, Op.ATTN_REDUCE, Op.ARGMAX)
+        total += (B if per_row else 1) * code.straight[op].seconds(warps, 0, bw_sm, 0.0)
     for kind, lc in loops:
         if kind == "rstd":
             it = math.ceil(Hd / lc_block(consts, "rstd"))
@@ -312,20 +372,35 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
             row_at = t_free + (HW.atomic_ns + HW.l2_ns) * 1e-9
         ticket_ready[p] = row_at + HW.atomic_ns * 1e-9      # (ahead) the next ticket, issued now
         start = row_at + HW.atomic_ns * 1e-9                 # the satisfied poll
-        in_l2 = False
+        pf_frac = 0.0
         if r[4] >= 0:
             ready = ev_time[r[4]] + HW.atomic_ns * 1e-9
-            if prefetch and ready > start and r[0] in (1, 4, 5, 6, 7):
-                # PREFETCH=1: a task that must wait first streams its whole weight tile into L2
-                # (`_prefetch_weights`, at this SM's share of HBM bandwidth), then runs from L2
+            if prefetch == 1 and ready > start and r[0] == int(Op.O_PROJ) and code.spin is not None:
+                # PREFETCH=1: a waiting O_PROJ task reads one chunk of its tile per spin (the spin
+                # loop as compiled: its chunk loads and its poll in flight together); it proceeds at
+                # the end of the first spin that began once the event was visible, and runs the
+                # chunks it read from L2
+                bw_pf = HW.copy_bw / (min(phase[(r[0], r[1])], HW.sms) * programs_per_sm)
+                chunk = code.spin.weight_bytes_per_thread * 32 * code.warps
                 _, wbytes = _task_seconds(plan, code, r, HW.copy_bw, consts, context)
-                share = min(phase[(r[0], r[1])], HW.sms) * programs_per_sm
-                ready = max(ready, start + wbytes / (HW.copy_bw / share) + HW.hbm_ns * 1e-9)
-                in_l2 = True
+                n_pf = math.ceil(wbytes / chunk) if chunk else 0
+                t_chunk = code.spin.seconds(code.warps, chunk, bw_pf, HW.hbm_ns)
+                t_poll = code.spin.seconds(code.warps, 0, bw_pf, HW.atomic_ns)
+                visible, tcur, k = ev_time[r[4]], start, 0
+                while True:
+                    sees = tcur >= visible
+                    tcur += t_chunk if k < n_pf else t_poll
+                    k += 1
+                    if sees:
+                        break
+                ready = tcur
+                pf_frac = min(1.0, min(k, n_pf) * chunk / wbytes) if wbytes else 0.0
             start = max(start, ready)
         active = min(phase[(r[0], r[1])], HW.sms) * 1.0
         bw_sm = HW.copy_bw / active / programs_per_sm
-        body, _ = _task_seconds(plan, code, r, bw_sm, consts, context, in_l2)
+        body, _ = _task_seconds(plan, code, r, bw_sm, consts, context)
+        if pf_frac:
+            body = pf_frac * _task_seconds(plan, code, r, bw_sm, consts, context, True)[0] + (1 - pf_frac) * body
         done = start + body + signal
         busy += body
         timeline.append((r[0], r[1], t_free, start, done))
@@ -374,7 +449,12 @@ def _compile(launch) -> dict[str, Any]:
     text = sass.disassemble(k.asm["cubin"])
     inner = [lp for lp in sass.loops(text) if lp.innermost]
     use = resource_usage(k.asm["cubin"])
-    return {"loops": [loop_cost(lp) for lp in inner], "regs": use.get("reg", 0), "spill": use.get("stack", 0),
+    looped = {j for lp in inner for j in range(lp.start, lp.end + 1)}
+    rest = [i for j, i in enumerate(sass.parse(text)[0]) if j not in looped]
+    straight = LoopCost(len(rest), sum(i.base == "BAR" for i in rest), 0, 0, 1,
+                        local_ops=sum(i.base in ("LDL", "STL") for i in rest))
+    return {"loops": [loop_cost(lp) for lp in inner], "straight": straight,
+            "regs": use.get("reg", 0), "spill": use.get("stack", 0),
             "shared": int(k.metadata.shared), "warps": int(k.metadata.num_warps)}
 
 
@@ -435,6 +515,7 @@ def model_graph(cfg, batch: int, context: int) -> dict[str, Any]:
             main = max(loops, key=lambda lc: lc.load_bytes_per_thread)
             prog = it * main.seconds(info["warps"], nbytes / max(it, 1), bw_sm, HW.hbm_ns)
             prog += sum(lc.seconds(info["warps"], 0, bw_sm, HW.l2_ns) for lc in loops if lc is not main)
+        prog += info["straight"].seconds(info["warps"], 0, bw_sm, 0.0)   # its code outside innermost loops
         prog += HW.hbm_ns * 1e-9      # the program's first dependent loads and its stores
         waves = math.ceil(ln.programs / slots)
         body = max(waves * prog, ln.programs * nbytes / HW.copy_bw)

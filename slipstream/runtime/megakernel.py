@@ -116,7 +116,7 @@ def launch(s: _Static, W: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inv_fr
     ptrs = dict(tasks_ptr=s.tasks, sync_ptr=s.sync, prof_ptr=profile if profile is not None else s.sync,
                 W_ptr=W, A_ptr=s.A, I_ptr=s.I, k_ptr=k, v_ptr=v, inv_freq_ptr=inv_freq)
     launch_megakernel(num_programs, num_warps, **ptrs, **scalar_args(p, k.shape[1], epoch, max_spins),
-                      **kernel_constants(p, block_k), PROFILE=profile is not None, PREFETCH=prefetch)
+                      **kernel_constants(p, block_k, k.dtype), PROFILE=profile is not None, PREFETCH=prefetch)
     s.epoch = epoch   # only once launched: a launch that raised must not advance the ticket base
 
 
@@ -139,7 +139,8 @@ def scalar_args(p: Plan, num_slots: int, epoch: int = 1, max_spins: int = 1 << 2
                 Hd=p.hidden_size, F=p.intermediate_size, V=p.vocab_size, S=p.splits, MAX_BLOCKS=p.max_blocks)
 
 
-def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
+def kernel_constants(p: Plan, block_k: int | None = None,
+                     kv_dtype: torch.dtype = torch.bfloat16) -> dict[str, int | str]:
     """The compile-time constants of the kernel for a plan (one specialisation per model and bucket).
     The K-chunk of each matvec (BK_*) keeps its [batch, tile, K-chunk] accumulator at ACC_ELEMENTS
     (16 float32 registers per thread at 8 warps): wide chunks at batch 1 (more bytes in flight per
@@ -164,13 +165,20 @@ def kernel_constants(p: Plan, block_k: int | None = None) -> dict[str, int]:
                 BK_DOWN=bk(t.down, F),
                 BK_LM=bk(t.lm_head, Hd), LM_TILE=t.lm_head, TILE_E=t.embed, TILE_O=t.o, TILE_D=t.down,
                 NT_PAD=max(_pow2(p.norm_tiles), 2),
+                # PREFETCH=1: an O tile read [T_O, PF_K] per spin while the task waits (16 KB at 16 rows)
+                PF_K=max(64, min(_pow2(HD), PF_ELEMENTS // _pow2(t.o))),
+                # ATTN_SPLIT: the group's query heads padded to a tensor-core tile's rows
+                QM=max(16, _pow2(p.num_heads // p.num_kv_heads)),
                 # the next ticket drawn as a task begins; at hidden 4096 the one extra live register
                 # takes the kernel's spill stack from 64 to 96 bytes with Triton 3.6 (cuobjdump)
-                TICKET_AHEAD=int(p.hidden_size <= 2048))
+                TICKET_AHEAD=int(p.hidden_size <= 2048),
+                # float32 KV (the CPU/interpreter tests): exact products; 16-bit KV: the input precision
+                DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32")
 
 
 MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)
 ACC_ELEMENTS = 8192   # 32 float32 registers per thread at 8 warps
+PF_ELEMENTS = 8192   # weight elements per prefetch chunk: one HBM round trip per spin moves 16 KB
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 
 

@@ -213,7 +213,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 LM_TILE: tl.constexpr, TILE_E: tl.constexpr, TILE_O: tl.constexpr, TILE_D: tl.constexpr,
                 NT_PAD: tl.constexpr,
                 PROFILE: tl.constexpr,
-                PREFETCH: tl.constexpr,
+                PREFETCH: tl.constexpr, PF_K: tl.constexpr, QM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 TICKET_AHEAD: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
@@ -266,19 +266,35 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
             ok = True
             if wait_ev >= 0:
                 seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
-                # weights never depend on events: while waiting, stream this task's tile into L2
-                if PREFETCH == 2:     # always (tests: under the interpreter nothing ever waits)
+                # weights never depend on events: while waiting, read this task's tile into L2
+                if PREFETCH == 2:     # the whole tile, always (tests: under the interpreter nothing ever waits)
                     _prefetch_weights(W_ptr + w_off, op, t0, t1, Hd, F, error_ptr, H * D, D, BLOCK_K)
-                elif PREFETCH == 1:
-                    if seen < target:
-                        _prefetch_weights(W_ptr + w_off, op, t0, t1, Hd, F, error_ptr, H * D, D, BLOCK_K)
+                # PREFETCH == 1: an O_PROJ task reads its tile one [T_O, PF_K] chunk per spin, only while
+                # it waits, so it never starts later than one chunk's round trip after its event. O is
+                # the phase that waits while HBM is idle (the attention phase before it reads only the
+                # KV); every other phase's waiting programs would take bandwidth from a running one
+                pf = 0
+                n_pf = tl.where(op == O_PROJ, tl.cdiv(H * D, PF_K), 0)
+                pf_rows = (t0 + tl.arange(0, T_O)).to(tl.int64)
+                pf_rmask = tl.arange(0, T_O) < t1 - t0
+                junk = tl.zeros((T_O, PF_K), tl.float32)
                 spins = 0
                 err = 0
                 while (seen < target) & (spins < max_spins) & (err == 0):
+                    if PREFETCH == 1:   # the chunk's loads issued before the poll, used after it: both in flight
+                        ks = pf * PF_K + tl.arange(0, PF_K)
+                        chunk = tl.load(W_ptr + w_off + pf_rows[:, None] * (H * D) + ks[None, :],
+                                        mask=(pf_rmask[:, None] & (ks < H * D)[None, :]) & (pf < n_pf), other=0.0)
+                        pf += 1
                     seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
+                    if PREFETCH == 1:
+                        junk = tl.maximum(junk, chunk.to(tl.float32))
                     if (spins & 63) == 63:   # another program's failure: checked rarely (an L2 atomic each)
                         err = tl.atomic_add(error_ptr, 0)
                     spins += 1
+                if PREFETCH == 1:   # a use the compiler cannot drop (no bf16 weight is exactly -3e38)
+                    hit = (tl.zeros((1,), tl.float32) + tl.max(tl.max(junk, axis=1), axis=0)) == -3.0e38
+                    tl.store(error_ptr + tl.arange(0, 1), tl.full((1,), -2, tl.int32), mask=hit)
                 if seen < target:
                     tl.atomic_cas(error_ptr, 0, (i + 1).to(tl.int32))   # the first failure is the cause
                     ok = False
@@ -329,40 +345,45 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                         tl.store(v_dst, y1.to(v_ptr.dtype.element_ty), mask=v_keep)
                         tl.store(v_dst + HALF, y2.to(v_ptr.dtype.element_ty), mask=v_keep)
                 elif op == ATTN_SPLIT:   # kv head t0, tokens [t1*P, (t1+1)*P) of every sequence
-                    heads = t0 * G + offs_g
+                    # the group's query heads as the M rows of two tensor-core products (padded to QM >= 16
+                    # rows, the smallest `tl.dot` tile): scores = q @ K^T, acc += p @ V, in the KV's dtype with
+                    # float32 accumulation (float32 KV: exact products, "ieee")
+                    offs_m = tl.arange(0, QM)
+                    m_mask = offs_m < G
                     lk = k_ptr + layer * num_slots * KVH * D
                     lv = v_ptr + layer * num_slots * KVH * D
                     for b in range(0, B):
                         ctx = tl.load(I_ptr + CTX_OFF + b)
                         start = t1 * P
                         end = tl.minimum(start + P, ctx)
-                        q = tl.load(A_ptr + Q_OFF + (b * H + heads)[:, None] * D + offs_d[None, :],
-                                    mask=g_mask[:, None], other=0.0, cache_modifier=".cg") * scale
-                        m = tl.full((G_PAD,), float("-inf"), tl.float32)
-                        l = tl.zeros((G_PAD,), tl.float32)
-                        acc = tl.zeros((G_PAD, D), tl.float32)
+                        q = tl.load(A_ptr + Q_OFF + (b * H + t0 * G + offs_m)[:, None] * D + offs_d[None, :],
+                                    mask=m_mask[:, None], other=0.0, cache_modifier=".cg") * scale
+                        q = q.to(k_ptr.dtype.element_ty)
+                        m = tl.full((QM,), float("-inf"), tl.float32)
+                        l = tl.zeros((QM,), tl.float32)
+                        acc = tl.zeros((QM, D), tl.float32)
                         for s0 in range(start, end, BLOCK_T):
                             t = s0 + tl.arange(0, BLOCK_T)
                             t_mask = t < end
                             blk = tl.load(I_ptr + BT_OFF + b * MAX_BLOCKS + t // BLOCK_SIZE, mask=t_mask, other=0)
-                            kv_off = ((blk * BLOCK_SIZE + t % BLOCK_SIZE) * KVH + t0)[:, None] * D + offs_d[None, :]
-                            kk = tl.load(lk + kv_off, mask=t_mask[:, None], other=0.0,
-                                         cache_modifier=".cg").to(tl.float32)
-                            vv = tl.load(lv + kv_off, mask=t_mask[:, None], other=0.0,
-                                         cache_modifier=".cg").to(tl.float32)
-                            sc = tl.sum(q[:, None, :] * kk[None, :, :], axis=2)
+                            kv_row = (blk * BLOCK_SIZE + t % BLOCK_SIZE) * KVH + t0
+                            kt = tl.load(lk + kv_row[None, :] * D + offs_d[:, None], mask=t_mask[None, :], other=0.0,
+                                         cache_modifier=".cg")      # [D, BLOCK_T]
+                            vv = tl.load(lv + kv_row[:, None] * D + offs_d[None, :], mask=t_mask[:, None], other=0.0,
+                                         cache_modifier=".cg")      # [BLOCK_T, D]
+                            sc = tl.dot(q, kt, input_precision=DOT_PRECISION)
                             sc = tl.where(t_mask[None, :], sc, float("-inf"))
                             m_new = tl.maximum(m, tl.max(sc, axis=1))
                             alpha = tl.exp(m - m_new)
                             p = tl.exp(sc - m_new[:, None])
                             l = l * alpha + tl.sum(p, axis=1)
-                            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv[None, :, :], axis=1)
+                            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=DOT_PRECISION)
                             m = m_new
-                        part = (b * H + heads) * S + t1
-                        tl.store(A_ptr + PM_OFF + part, m, mask=g_mask)
-                        tl.store(A_ptr + PL_OFF + part, l, mask=g_mask)
+                        part = (b * H + t0 * G + offs_m) * S + t1
+                        tl.store(A_ptr + PM_OFF + part, m, mask=m_mask)
+                        tl.store(A_ptr + PL_OFF + part, l, mask=m_mask)
                         tl.store(A_ptr + PACC_OFF + (part[:, None] - t1) * D + offs_d[None, :] * S + t1, acc,
-                                 mask=g_mask[:, None])   # [B, H, D, S]: splits innermost
+                                 mask=m_mask[:, None])   # [B, H, D, S]: splits innermost
                 elif op == ATTN_REDUCE:   # merge the splits of kv head t0's query heads, S_BLOCK at a time
                     # in one pass (a running max rescales what is merged so far). The partials are stored
                     # [B, H, D, S] (splits innermost), so every operand is a [G_PAD, D, S_BLOCK] tensor of one
