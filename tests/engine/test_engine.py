@@ -42,8 +42,10 @@ def drain(e: Engine, reqs: list[Request], max_steps: int = 10_000) -> None:
     assert all(r.finished for r in reqs)
 
 
-def alone(llm: LLM, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-    e = engine(llm, enable_prefix_cache=False)
+def alone(llm: LLM, prompt_ids: list[int], params: SamplingParams, exact: bool | None = None) -> list[int]:
+    """The tokens of one request run by itself (no prefix cache) on a fresh engine; `exact` picks the
+    CPU path (None: the LLM's)."""
+    e = engine(llm, enable_prefix_cache=False, **({} if exact is None else {"exact": exact}))
     r = Request(list(prompt_ids), params)
     e.add_request(r)
     drain(e, [r])

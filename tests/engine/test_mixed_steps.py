@@ -4,17 +4,9 @@ tokens change: the native step computes every row on its own (row-invariant), so
 same tokens whether its chunks ran beside decode rows or alone, on the exact and the fast path."""
 import pytest
 from support import engine
-from test_engine import PROMPTS, SYSTEM, assert_idle, drain, greedy, ids
+from test_engine import PROMPTS, SYSTEM, alone, assert_idle, drain, greedy, ids
 
 from slipstream.engine.request import Request
-
-
-def _alone(llm, prompt_ids, params, exact):
-    e = engine(llm, enable_prefix_cache=False, exact=exact)
-    r = Request(list(prompt_ids), params)
-    e.add_request(r)
-    drain(e, [r])
-    return r.output_ids
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -43,8 +35,8 @@ def test_prompt_chunks_ride_along_with_the_decode_rows(llm, exact):
         assert len(first.output_ids) == produced + 1, "the running stream waited behind the prefill"
     assert len(merged) >= len(second_ids) // 8 and all(rows == 1 and 0 < toks <= 8 for rows, toks in merged)
     drain(e, [first, second])
-    assert second.output_ids == _alone(llm, second_ids, greedy(12, ignore_eos=True), exact)
-    assert first.output_ids == _alone(llm, first.prompt_ids, greedy(40, ignore_eos=True), exact)
+    assert second.output_ids == alone(llm, second_ids, greedy(12, ignore_eos=True), exact)
+    assert first.output_ids == alone(llm, first.prompt_ids, greedy(40, ignore_eos=True), exact)
     assert_idle(e)
 
 
