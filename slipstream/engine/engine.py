@@ -27,7 +27,7 @@ from slipstream.engine.merging import Merger
 from slipstream.engine.output import OutputProcessor, StepEvent
 from slipstream.engine.prefill_pacer import PrefillPacer
 from slipstream.engine.request import Request
-from slipstream.engine.sampling import Sampler, make_generator
+from slipstream.engine.sampling import Sampler, TokenLogprobs, make_generator
 from slipstream.engine.scheduler import Scheduler
 from slipstream.engine.speculative import SpecStats, make_proposer
 from slipstream.engine.verify import Speculation
@@ -274,11 +274,7 @@ class Engine:
         done_now = [r for r, _, end in chunks if end == r.prefill_target and not r.output_ids]
         if self.executor.device_greedy(batch + done_now):   # tokens chosen by the runtime: no logits, no torch
             tokens, done, done_tokens = self.executor.decode_and_prefill(batch, chunks, tokens_only=True)
-            now = time.perf_counter()
-            events: list[StepEvent] = []
-            for r, t in zip(batch + done, tokens.tolist() + done_tokens.tolist()):
-                events += self.output.append(r, t, None, now)
-            return events
+            return self._emit(batch + done, tokens.tolist() + done_tokens.tolist())
         constrained = [r.matcher for r in batch]
         masker = MaskJob if self._masks_while_stepping else MaskNow
         job = masker(constrained, self.vocab_size) if any(m is not None for m in constrained) else None
@@ -294,11 +290,7 @@ class Engine:
         if proposal is not None:
             return self.speculation.verify(batch, proposal)
         if self.executor.device_greedy(batch):   # the token chosen on the GPU: no logits copied
-            tokens, now = self.executor.decode(batch, tokens_only=True).tolist(), time.perf_counter()
-            events: list[StepEvent] = []
-            for r, t in zip(batch, tokens):
-                events += self.output.append(r, t, None, now)
-            return events
+            return self._emit(batch, self.executor.decode(batch, tokens_only=True).tolist())
         constrained = [r.matcher for r in batch]
         # the grammar masks: filled on a helper thread while a GPU runs the step, else after it, where needed
         masker = MaskJob if self._masks_while_stepping else MaskNow
@@ -313,10 +305,16 @@ class Engine:
                                         self.vocab_size, masks)
         res = self.sampler(logits, [r.params for r in batch], [r.prompt_ids for r in batch],
                            [r.output_ids for r in batch], [r.generator for r in batch])
+        return self._emit(batch, res.token_ids, res.logprobs)
+
+    def _emit(self, batch: list[Request], tokens: list[int],
+              logprobs: list[TokenLogprobs | None] | None = None) -> list[StepEvent]:
+        """One new token per request of `batch` (with its logprobs where sampled with them; none for
+        the runtime's greedy tokens): the output events they produce, stamped with one time."""
         now = time.perf_counter()
         events: list[StepEvent] = []
-        for r, t, lp in zip(batch, res.token_ids, res.logprobs):
-            events += self.output.append(r, t, lp, now)
+        for i, (r, t) in enumerate(zip(batch, tokens)):
+            events += self.output.append(r, t, None if logprobs is None else logprobs[i], now)
         return events
 
     # -- offline loop ---------------------------------------------------------------------------
