@@ -130,6 +130,9 @@ def _causal(s: SeqSlice) -> torch.Tensor | None:
 
 
 class DeepseekModel:
+    """`weights`: "embed", "lm_head", "norm" (float32 tensors), "layers.{i}" a typed
+    `weights.deepseek.DeepseekLayer` per layer and "mtp.{j}" a `MtpLayer` per loaded MTP layer, as
+    `weights.safetensors` writes them."""
     devices = ("cpu",)            # float32 on the CPU for now
     device = torch.device("cpu")
 
