@@ -3,7 +3,7 @@
 `nvdisasm` (bundled with Triton's CUDA backend) disassembles a cubin with the source line of every
 instruction (`-gi`). A loop is a backward branch; for every loop we count its instructions, barriers
 (`BAR`), warp shuffles (`SHFL`), shared-memory traffic (`LDS`/`STS`), global loads by width
-(`LDG.E.128` = 16 bytes) and atomics, and we note the Python source lines it came from. The GPU
+(`LDG.E.128` = 16 bytes; `LDGSTS...128`: 16-byte asynchronous copies to shared memory) and atomics, and we note the Python source lines it came from. The GPU
 latency model (`gpu_model.py`) turns these counts into time per iteration; the compile tests read
 the same counts to check that no barrier or layout conversion sits inside a matvec K loop.
 """
@@ -65,7 +65,8 @@ class Loop:
     def summary(self) -> dict[str, int]:
         c = self.counts
         return {"instructions": self.size, "barriers": c["BAR"], "shuffles": c["SHFL"], "shared_ld": c["LDS"],
-                "shared_st": c["STS"], "ldg": c["LDG"], "ldg16": c["LDG16"], "ldg_bytes_per_thread": c["LDG_BYTES"],
+                "shared_st": c["STS"], "ldg": c["LDG"], "ldg16": c["LDG16"], "ldgsts16": c["LDGSTS16"],
+                "ldg_bytes_per_thread": c["LDG_BYTES"],
                 "atomics": c["ATOM"] + c["RED"] + c["ATOMG"]}
 
 
@@ -113,6 +114,8 @@ def _count(insts: list[Inst]) -> Counter:
             c["LDG_BYTES"] += i.load_bytes
             if i.load_bytes == 16:
                 c["LDG16"] += 1
+        elif b == "LDGSTS" and "128" in i.opcode.split("."):   # cp.async, 16 bytes (Triton's pipeliner)
+            c["LDGSTS16"] += 1
     return c
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 
+from slipstream.kernels.triton import megakernel as _kernel
 from slipstream.kernels.triton.megakernel import launch_megakernel, megakernel_function
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel
@@ -152,6 +153,8 @@ def kernel_constants(p: Plan, block_k: int | None = None,
     def bk(tile: int, k: int, two: bool = False) -> int:
         if block_k:
             return block_k
+        if B >= 4 and DOT_TILES and _pow2(tile) >= 16:    # `_mv_dot`: tensor-core tiles
+            return max(16, min(DOT_BK, _pow2(k)))
         if B >= 4:    # `_mv_rows`: the smallest chunk whose [TILE, chunk] tile still loads 16 bytes
             return max(16, min(MV_ROWS_ELEMENTS // _pow2(tile), 128, _pow2(k)))   # per thread (8 bf16)
         budget = ACC_ELEMENTS // (2 if two else 1)    # two matrices (gate/up, RoPE halves): two accumulators
@@ -170,14 +173,17 @@ def kernel_constants(p: Plan, block_k: int | None = None,
                 # ATTN_SPLIT: the group's query heads padded to a tensor-core tile's rows
                 QM=max(16, _pow2(p.num_heads // p.num_kv_heads)),
                 # the next ticket drawn as a task begins; at hidden 4096 the one extra live register
-                # takes the kernel's spill stack from 64 to 96 bytes with Triton 3.6 (cuobjdump)
-                TICKET_AHEAD=int(p.hidden_size <= 2048),
+                # takes the kernel's spill stack from 64 to 96 bytes with Triton 3.6 (cuobjdump), and at
+                # batch 8 (`_mv_dot`) from 48 to 80
+                TICKET_AHEAD=int(p.hidden_size <= 2048 and p.batch < 8),
                 # float32 KV (the CPU/interpreter tests): exact products; 16-bit KV: the input precision
                 DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32")
 
 
 MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)
 ACC_ELEMENTS = 8192   # 32 float32 registers per thread at 8 warps
+DOT_TILES = bool(_kernel.DOT_TILES.value)   # batch 4-8: matvecs on tensor cores (`_mv_dot`), rows padded to 16
+DOT_BK = 64     # its K-chunk (128 spills 120 bytes at dense-1B batch 8 with Triton 3.9, 160 with 3.6)
 PF_ELEMENTS = 8192   # weight elements per prefetch chunk: one HBM round trip per spin moves 16 KB
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 

@@ -172,7 +172,7 @@ calls = {{i + 1 for i, t in enumerate(lines_of) if "_mv_tile(" in t and "def " n
 # the helpers' own lines (Triton 3.6 attributes inlined code to them, 3.9 to the call site)
 helpers = set()
 for node in ast.walk(ast.parse(src)):
-    if isinstance(node, ast.FunctionDef) and node.name in ("_mv_wide", "_mv_rows"):
+    if isinstance(node, ast.FunctionDef) and node.name in ("_mv_wide", "_mv_rows", "_mv_dot"):
         helpers |= set(range(node.body[0].lineno, node.end_lineno + 1))
 seen, found = set(), 0
 for lp in sass.loops(sass.disassemble(kernel.asm["cubin"])):
@@ -181,7 +181,8 @@ for lp in sass.loops(sass.disassemble(kernel.asm["cubin"])):
         continue
     seen |= lines & calls
     found += 1
-    assert lp.counts["LDG16"] >= 1, (sorted(lines)[:8], lp.summary())
+    # 16-byte loads, or at batch 4-8 (`_mv_dot`) 16-byte asynchronous copies (cp.async)
+    assert lp.counts["LDG16"] + lp.counts["LDGSTS16"] >= 1, (sorted(lines)[:8], lp.summary())
     if {batch} <= 2:
         assert lp.counts["BAR"] == 0 and lp.counts["SHFL"] == 0, (sorted(lines)[:8], lp.summary())
 # every call site has its loop (ptxas may merge two identical ones: O and DOWN share a tile shape);

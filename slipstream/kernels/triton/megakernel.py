@@ -39,6 +39,9 @@ GATE_UP = tl.constexpr(int(_table.Op.GATE_UP))
 DOWN = tl.constexpr(int(_table.Op.DOWN))
 LM_HEAD = tl.constexpr(int(_table.Op.LM_HEAD))
 ARGMAX = tl.constexpr(int(_table.Op.ARGMAX))
+DOT_M = tl.constexpr(16)   # `_mv_dot`'s padded rows
+DOT_TILES = tl.constexpr(True)   # batch 4-8 matvecs on tensor cores (`_mv_dot`) where the tile has >= 16 rows
+MV_PRECISION = tl.constexpr("ieee")   # float32 weights (CPU tests): exact; 16-bit weights ignore it
 # ... and columns of a row, the row's width and the weights' alignment
 C_OP = tl.constexpr(_table.OP)
 C_LAYER = tl.constexpr(_table.LAYER)
@@ -80,14 +83,57 @@ def _mv_tile(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row
     """(acc_a, acc_b): acc_a[b, j] = sum_k xin[b, k] * W[row_a + j, k] for j < n_rows, and acc_b the
     same at row_b when TWO (gate and up, or the two RoPE halves: both tiles' loads issued together);
     xin = x * rstd * norm_weight when NORM (the fused RMSNorm), else x. Float32 accumulation.
-    Batch 1-2: `_mv_wide` (no reduction, conversion or barrier per K-step); batch 4-8: `_mv_rows`
-    (a [batch, TILE, K-chunk] accumulator would spill there, so it reduces over K every step)."""
-    if BLOCK_B >= 4:
+    Batch 1-2: `_mv_wide` (no reduction, conversion or barrier per K-step); batch 4-8: `_mv_dot`
+    (tensor cores, the rows padded to 16; Triton pipelines its loads as cp.async), or `_mv_rows` for
+    tiles under 16 rows (a [batch, TILE, K-chunk] accumulator would spill, so it reduces every step)."""
+    if BLOCK_B >= 4 and TILE >= 16 and DOT_TILES:
+        ya, yb = _mv_dot(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+                         NORM, TWO, TILE, BLOCK_K, BLOCK_B)
+    elif BLOCK_B >= 4:
         ya, yb = _mv_rows(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
                           NORM, TWO, TILE, BLOCK_K, BLOCK_B)
     else:
         ya, yb = _mv_wide(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
                           NORM, TWO, TILE, BLOCK_K, BLOCK_B)
+    return ya, yb
+
+
+@triton.jit
+def _mv_dot(x_base, ROW_STRIDE, offs_b, b_mask, rstd, nw_ptr, w_ptr, row_a, row_b, n_rows, K,
+            NORM: tl.constexpr, TWO: tl.constexpr, TILE: tl.constexpr, BLOCK_K: tl.constexpr,
+            BLOCK_B: tl.constexpr):
+    """`_mv_tile` for several rows on tensor cores: the rows padded to DOT_M = 16 (the smallest `tl.dot`
+    tile) times the [K-chunk, TILE] transposed weight chunk, in the weights' dtype with float32
+    accumulation (float32 weights: exact products); the first BLOCK_B rows of the result are returned
+    and RMSNorm's 1/rms applied to them."""
+    n_b = tl.sum(b_mask.to(tl.int32), axis=0)
+    m = tl.arange(0, DOT_M)
+    j = tl.arange(0, TILE)
+    kk = tl.arange(0, BLOCK_K)
+    r_mask = j < n_rows
+    pa = w_ptr + (row_a + j).to(tl.int64)[None, :] * K + kk[:, None]     # [BLOCK_K, TILE], K contiguous
+    pb = w_ptr + (row_b + j).to(tl.int64)[None, :] * K + kk[:, None]
+    px = x_base + m[:, None] * ROW_STRIDE + kk[None, :]
+    acc_a = tl.zeros((DOT_M, TILE), tl.float32)
+    acc_b = tl.zeros((DOT_M, TILE), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + kk < K
+        x = tl.load(px + k0, mask=(m < n_b)[:, None] & k_mask[None, :], other=0.0, cache_modifier=".cg")
+        if NORM:
+            x = x * tl.load(nw_ptr + k0 + kk, mask=k_mask, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        xw = x.to(w_ptr.dtype.element_ty)
+        wa = tl.load(pa + k0, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc_a = tl.dot(xw, wa, acc_a, input_precision=MV_PRECISION)
+        if TWO:
+            wb = tl.load(pb + k0, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            acc_b = tl.dot(xw, wb, acc_b, input_precision=MV_PRECISION)
+    # rows [0, BLOCK_B) of the [DOT_M, TILE] results
+    sel = (tl.arange(0, DOT_M // BLOCK_B)[:, None, None] == 0)
+    ya = tl.sum(tl.where(sel, tl.reshape(acc_a, (DOT_M // BLOCK_B, BLOCK_B, TILE)), 0.0), axis=0)
+    yb = tl.sum(tl.where(sel, tl.reshape(acc_b, (DOT_M // BLOCK_B, BLOCK_B, TILE)), 0.0), axis=0)
+    if NORM:
+        ya = ya * rstd[:, None]
+        yb = yb * rstd[:, None]
     return ya, yb
 
 
