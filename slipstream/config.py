@@ -62,6 +62,14 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
+    @property
+    def window_everywhere(self) -> int | None:
+        """The sliding window when every layer has one (then a sequence's older blocks can be given
+        back), else None (no window, or Gemma's mix of sliding and global layers)."""
+        if not self.sliding_window or not self.layer_types:
+            return None
+        return self.sliding_window if all(t == "sliding" for t in self.layer_types) else None
+
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
 

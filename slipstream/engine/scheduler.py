@@ -91,6 +91,8 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        for r in self.running:   # a model whose every layer slides: blocks out of every window go back
+            r.kv.drop_outside_window()
         self._admit()
         self._grow_decodes(plan)
         self._plan_prefill(plan)

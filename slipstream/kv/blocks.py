@@ -105,6 +105,22 @@ class _BlockCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.allocator = BlockAllocator(num_blocks)
+        # set when every layer attends over at most its last `window` positions (Phi-3 mini): a
+        # sequence gives back the blocks that no later token can see (`drop_outside_window`)
+        self.window: int | None = None
+        self._spare: int | None = None
+
+    def spare_block(self) -> int:
+        """A block held for good whose slots read as zeros: where a sequence's table points once its
+        blocks outside the window are given back. Attention masks those positions; zeros (not stale
+        values, which may be NaN) keep the masked products finite."""
+        if self._spare is None:
+            self._spare = self.allocator.allocate(1)[0]
+            self._zero(self._spare)
+        return self._spare
+
+    def _zero(self, block: int) -> None:
+        raise NotImplementedError
 
     @property
     def capacity_tokens(self) -> int:
@@ -126,6 +142,11 @@ class PagedKVCache(_BlockCache):
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
 
+    def _zero(self, block: int) -> None:
+        slots = slice(block * self.block_size, (block + 1) * self.block_size)
+        self.k[:, slots].zero_()
+        self.v[:, slots].zero_()
+
 
 class LatentKVCache(_BlockCache):
     """The MLA cache (DeepSeek-V3 / GLM-5): per token and layer only the normalised KV latent
@@ -141,6 +162,12 @@ class LatentKVCache(_BlockCache):
         self.rope = torch.empty((num_layers, slots, rope_dim), dtype=dtype)
         self.index_k = torch.empty((num_layers, slots, index_dim), dtype=dtype) if index_dim else None
 
+    def _zero(self, block: int) -> None:
+        slots = slice(block * self.block_size, (block + 1) * self.block_size)
+        for t in (self.latent, self.rope, self.index_k):
+            if t is not None:
+                t[:, slots].zero_()
+
 
 @dataclass
 class SequenceKV:
@@ -150,6 +177,7 @@ class SequenceKV:
     num_tokens: int = 0
     num_hashed_blocks: int = 0    # leading full blocks already registered in the prefix cache
     last_hash: int | None = None  # hash of the last registered block (the chain's parent)
+    num_dropped: int = 0          # leading blocks given back (outside the window); they map to the spare
 
     def blocks_needed(self, total_tokens: int) -> int:
         return max(0, -(-total_tokens // self.cache.block_size) - len(self.block_table))
@@ -179,9 +207,30 @@ class SequenceKV:
         rng = self.contiguous_range(end)
         return rng if rng is not None else self.slots(0, end)
 
+    def drop_outside_window(self) -> int:
+        """Give back the leading blocks that no later token can see when every layer attends over its
+        last `cache.window` positions (call it between steps, on the committed length: the next token,
+        at position num_tokens, sees positions from num_tokens - window + 1 on; one block of slack is
+        kept). Their table entries then point to the cache's spare block, so slots and block counts
+        keep their meaning. Returns how many blocks were given back."""
+        window = self.cache.window
+        if not window:
+            return 0
+        bs = self.cache.block_size
+        keep_from = min(max(0, (self.num_tokens - window + 1) // bs - 1), len(self.block_table))
+        if keep_from <= self.num_dropped:
+            return 0
+        spare = self.cache.spare_block()
+        gone = self.block_table[self.num_dropped:keep_from]
+        self.cache.allocator.free(gone)   # blocks in the prefix cache stay findable there
+        self.block_table[self.num_dropped:keep_from] = [spare] * len(gone)
+        self.num_dropped = keep_from
+        return len(gone)
+
     def release(self) -> None:
-        self.cache.allocator.free(self.block_table)
+        self.cache.allocator.free(self.block_table[self.num_dropped:])
         self.block_table = []
         self.num_tokens = 0
         self.num_hashed_blocks = 0
         self.last_hash = None
+        self.num_dropped = 0

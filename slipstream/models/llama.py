@@ -143,8 +143,10 @@ class DecoderModel:
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         c = self.cfg
-        return PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                            dtype=self.kv_dtype, device=self.device)
+        kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                          dtype=self.kv_dtype, device=self.device)
+        kv.window = c.window_everywhere   # every layer slides: blocks out of the window go back
+        return kv
 
     def _rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
