@@ -9,6 +9,9 @@ over rounds of each statistic is printed and written as JSON.
     .venv/bin/python benchmarks/server_fairness.py --rounds 3 \
         --variant "before=--prefill-budget 512" --variant "after=--prefill-budget 64" --out result.json
 
+`--engine-only` runs the same workload through the engine in-process (no HTTP server, no event loop):
+the difference between the two is what the server adds.
+
 Variants run interleaved (round 1: before, after; round 2: before, after; ...), so load from
 neighbours on a shared machine falls on both alike; take medians over rounds and say so.
 """
@@ -112,6 +115,51 @@ def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not come up")
 
 
+def _engine_round(extra: list[str], burst: int, prompt_len: int, idle_tokens: int, seed: int) -> dict:
+    """The same workload through the engine alone (no HTTP, no event loop), in this process: what the
+    engine's scheduling and steps cost, apart from the server around them. `extra` may hold
+    `--prefill-pacing F|off`, `--prefill-budget N` and `--max-batch N` as `serve` takes them (serve's
+    defaults otherwise)."""
+    from slipstream import LLM, SamplingParams
+    from slipstream.engine.request import Request
+    opts = dict(zip(extra[::2], extra[1::2]))
+    pacing = opts.get("--prefill-pacing", "2")
+    budget = opts.get("--prefill-budget")
+    llm = LLM(None, max_model_len=2048, prefill_pacing=None if pacing == "off" else float(pacing),
+              prefill_budget=int(budget) if budget else 64, max_batch=int(opts.get("--max-batch", 32)))
+    eng = llm.engine
+    main = Request(llm.tokenizer.encode("Once upon a time in a quiet village by the sea,"),
+                   SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0))
+    eng.add_request(main)
+    times: list[float] = []
+    first_tokens: dict[str, float] = {}
+
+    def step() -> None:
+        events = eng.step()
+        now = time.perf_counter()
+        for e in events:
+            rid = e.request.request_id if e.token_ids else None
+            if rid == main.request_id:
+                times.append(now)
+            elif rid is not None and rid not in first_tokens:
+                first_tokens[rid] = now
+    while len(times) < idle_tokens + 1:
+        step()
+    t0 = time.perf_counter()
+    reqs = [Request([(seed * 7919 + i * 131 + k * 17) % 40000 + 100 for k in range(prompt_len)],
+                    SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(burst)]
+    for r in reqs:
+        eng.add_request(r)
+    while len(first_tokens) < burst:
+        step()
+    t1 = max(first_tokens.values())
+    idle = [b - a for a, b in zip(times[1:idle_tokens + 1], times[2:idle_tokens + 1])]
+    during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    return {"idle_itl_p50_ms": 1e3 * statistics.median(idle), "burst_itl_p50_ms": 1e3 * statistics.median(during),
+            "burst_itl_p99_ms": 1e3 * _pct(during, 99), "burst_itl_max_ms": 1e3 * max(during),
+            "burst_prefill_s": t1 - t0, "burst_gaps": len(during), "all_gaps": len(times) - 1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -121,11 +169,20 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=None, metavar="NAME=ARGS",
                     help="a server configuration: NAME=extra `slipstream serve` arguments (repeatable)")
     ap.add_argument("--out", default=None, help="JSON file to write (default: print only)")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="run each variant's workload through the engine in this process instead of a server "
+                         "(separates the engine's own cost from the HTTP server's)")
     args = ap.parse_args()
     variants = [(v.split("=", 1)[0], v.split("=", 1)[1].split()) for v in args.variant or ["default="]]
     rounds: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for k in range(args.rounds):
         for name, extra in variants:
+            if args.engine_only:
+                res = _engine_round(extra, args.burst, args.prompt_len, args.idle_tokens, k)
+                res["load_avg_1m"] = os.getloadavg()[0]
+                print(json.dumps({"variant": name, "round": k, **res}), flush=True)
+                rounds[name].append(res)
+                continue
             log = Path(f"/tmp/server_fairness_{os.getpid()}_{name}_{k}.log")
             proc, base = _start(extra, log)
             try:
