@@ -53,6 +53,10 @@ ENGINE_FLAGS: dict[str, dict] = {
                                    help="guesses verified per step with --speculative (default 4)"),
     "exact": dict(action="store_true",
                   help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path"),
+    "kv_cache_dtype": dict(default="auto", metavar="{auto,fp32,fp16}",   # EngineConfig refuses others in one line
+                           help="KV-cache element type on the CPU: fp16 holds twice the tokens in the same memory "
+                                "and halves what attention reads; auto: fp16 on the native fast path, fp32 with "
+                                "--exact and on the eager CPU step (a GPU keeps the weights' dtype)"),
 }
 BATCH_FLAGS: dict[str, dict] = {
     "max_batch": dict(type=int, default=32, help="most requests decoded together"),

@@ -307,3 +307,17 @@ def test_bad_max_model_len(value):
 @pytest.mark.parametrize("value,words", [("1", ["pacing", "> 1"]), ("fast", ["pacing", "number > 1 (or off)", "fast"])])
 def test_bad_prefill_pacing(value, words):
     _assert_one_line_error(run_cli("serve", "--prefill-pacing", value, "--port", "1"), words)
+
+
+def test_kv_cache_dtype_flag():
+    """--kv-cache-dtype reaches the engine: the exact path and the eager step over an fp16 cache give the
+    fp32 cache's greedy tokens (the cache's rounding is ~4e-4 of the logits; tests/runtime/test_cpu_kv_fp16.py
+    checks the dtype each setting picks)."""
+    skip_unless_default_model()
+    args = ("generate", "-p", PROMPT, "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--json")
+    fp32 = _json(run_cli(*args, "--exact", "--kv-cache-dtype", "fp32"))
+    fp16 = _json(run_cli(*args, "--exact", "--kv-cache-dtype", "fp16"))
+    eager16 = _json(run_cli(*args, "--runtime", "eager", "--kv-cache-dtype", "fp16"))
+    assert fp16["token_ids"] == fp32["token_ids"] == eager16["token_ids"]
+    _assert_one_line_error(run_cli("generate", "--kv-cache-dtype", "fp8", "-p", "Hello", "--max-tokens", "4"),
+                           ["kv-cache-dtype", "fp8"])

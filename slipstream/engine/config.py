@@ -13,6 +13,7 @@ from typing import Any
 from slipstream.errors import ConfigError
 
 SPEC_MAX_BATCH = 3   # see EngineConfig.speculative_max_batch
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16")   # see EngineConfig.kv_cache_dtype
 
 
 class EngineConfigError(ConfigError):
@@ -50,6 +51,11 @@ class EngineConfig:
     speculative_max_batch: int = SPEC_MAX_BATCH
     # use the exact fp32-activation CPU kernels instead of the int8-activation fast path
     exact: bool = False
+    # the KV cache's element type on the CPU: "fp16" (half the bytes per token: twice the tokens in the same
+    # memory, half the bytes attention reads), "fp32", or "auto": fp16 under the native runtime's fast path,
+    # fp32 under its exact path (compared with transformers) and under the eager CPU step. On a GPU the
+    # cache takes the weights' dtype whatever this says ("auto" only).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from slipstream.runtime.registry import runtime_names
@@ -75,6 +81,9 @@ class EngineConfig:
         integer("speculative_max_batch", 0)
         if self.runtime not in runtime_names():
             raise ConfigError(f"unknown runtime {self.runtime!r} ({', '.join(runtime_names())})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError("kv_cache_dtype",
+                                    f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("enable_prefix_cache", "enable_merging", "exact"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(name, f"must be true or false, got {getattr(self, name)!r}")

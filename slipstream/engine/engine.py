@@ -35,7 +35,14 @@ from slipstream.errors import PromptTooLongError, SlipstreamError
 from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder, DecoderOptions
-from slipstream.runtime.registry import build_decoder, placement, resolve_runtime
+from slipstream.runtime.registry import (
+    build_decoder,
+    kv_bytes_per_token,
+    kv_cache_dtype,
+    new_kv_cache,
+    placement,
+    resolve_runtime,
+)
 from slipstream.structured.constraint import ConstraintError
 from slipstream.structured.grammar import Matcher, compile_constraint
 from slipstream.structured.masks import MaskJob, MaskNow, constrained_logits
@@ -75,16 +82,18 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = model.cfg
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.runtime_name = resolve_runtime(config.runtime, model)
+        # the cache's element type (EngineConfig.kv_cache_dtype; None: the model's own)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.runtime_name, model, config.exact)
         kv_cache_tokens = config.kv_cache_tokens
         if kv_cache_tokens is None:
-            per_token = model.kv_bytes_per_token()
+            per_token = kv_bytes_per_token(model, kv_dtype)
             kv_cache_tokens = max(self.max_model_len, min(2 * self.max_model_len, KV_BUDGET_BYTES // per_token))
-        self.runtime_name = resolve_runtime(config.runtime, model)
         device = placement(self.runtime_name, model)
         if model.device.type != device:
             model.to(device)
         block_size = config.block_size
-        self.kv = model.new_kv_cache(-(-kv_cache_tokens // block_size), block_size)
+        self.kv = new_kv_cache(model, -(-kv_cache_tokens // block_size), block_size, kv_dtype)
         self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv, self.prefix_cache, config)
         self.sampler = Sampler()

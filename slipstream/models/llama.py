@@ -137,14 +137,17 @@ class DecoderModel:
         self.kv_dtype = dtype
         return self
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one token takes in a cache of `dtype` elements (default: `kv_dtype`)."""
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.kv_dtype.itemsize
+        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * (dtype or self.kv_dtype).itemsize
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> PagedKVCache:
+        """A paged cache on the model's device, of `dtype` elements (default: `kv_dtype`; on the CPU fp16
+        halves its bytes: the step reads and writes it in fp32, converting on the way)."""
         c = self.cfg
         kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                          dtype=self.kv_dtype, device=self.device)
+                          dtype=dtype or self.kv_dtype, device=self.device)
         kv.window = c.window_everywhere   # every layer slides: blocks out of the window go back
         return kv
 

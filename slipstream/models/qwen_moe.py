@@ -6,7 +6,10 @@ norms); each MoE layer's FFN is
     y = sum_k p_k * down_e(silu(gate_e(h)) * up_e(h))  [+ sigmoid(shared_gate(h)) * shared(h), Qwen2-MoE]
 Rows are grouped by expert so that each chosen expert's weights are read once per step (as
 `models.deepseek.DeepseekModel._moe` does, over `Linear`s here so that GGUF experts stay packed).
-Not a `LlamaModel`: the native, graph and megakernel runtimes refuse it (they have no MoE step).
+Not a `LlamaModel`: the graph and megakernel runtimes refuse it (they have no MoE step). The native CPU
+step computes it (`runtime/cpu_plan.py`: ROUTE, EXPERT_GU over the step's active experts, SHARED_GU,
+MOE_DOWN; tests/runtime/test_cpu_moe.py) when a `CpuTeamDecoder` is built for it directly; the registry
+still sends it to the eager step (`CpuTeamDecoder.moe_by_default`).
 """
 from __future__ import annotations
 

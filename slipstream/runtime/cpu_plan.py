@@ -22,7 +22,9 @@ OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, AUX = range(len(COLUMNS))
 
 # opcodes: the `OP_*` enum of step.c
 EMBED, NORM, QKV, ATTN, PREP, O_PROJ, GATE_UP, DOWN, LM_HEAD, ARGMAX, POST = range(11)
-OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN", "LM_HEAD", "ARGMAX", "POST")
+ROUTE, EXPERT_GU, SHARED_GU, MOE_DOWN = range(11, 15)   # mixture-of-experts layers
+OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN", "LM_HEAD", "ARGMAX", "POST",
+            "ROUTE", "EXPERT_GU", "SHARED_GU", "MOE_DOWN")
 POST_ATTN, POST_FFN = 0, 1
 NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
 TILE_BYTES = 256 * 1024
@@ -32,6 +34,17 @@ NORM_ROWS = 8        # rows per RMSNorm task (a prompt chunk's rows are normalis
 
 class CpuPlanError(ValueError):
     """A task table that could deadlock or leave outputs unwritten."""
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts FFN's sizes (Qwen2-MoE, Qwen3-MoE)."""
+    experts: int
+    topk: int
+    ffn: int                   # each expert's intermediate size
+    shared_ffn: int            # the shared expert's (0: none)
+    expert_bytes: float        # bytes per weight of the experts' matrices
+    shared_bytes: float = 1.0  # of the shared expert's
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,8 @@ class Shape:
     vocab: int
     bytes_per_weight: dict[str, float]   # qkv, o, gate_up, down, lm_head -> bytes per weight
     post_norms: bool = False             # Gemma: O and DOWN write a buffer that POST normalises into x
+    moe: MoeShape | None = None          # the MoE layers' FFN
+    moe_layers: tuple[int, ...] = ()     # which layers have it (the others: the dense GATE_UP / DOWN)
 
 
 def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int, int]]:
@@ -73,12 +88,16 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
     prev = (-1, 0)   # (event, count) the next operator waits on
 
     def op(code: int, layer: int, ranges: list[tuple[int, int]], aux: int = 0) -> None:
+        group(layer, [(code, t0, t1, aux) for t0, t1 in ranges])
+
+    def group(layer: int, items: list[tuple[int, int, int, int]]) -> None:
+        """Tasks (code, t0, t1, aux) that wait on the previous group and signal one event together."""
         nonlocal n_events, prev
         ev = n_events
         n_events += 1
-        for t0, t1 in ranges:
+        for code, t0, t1, aux in items:
             tasks.append((code, layer, t0, t1, prev[0], prev[1], ev, aux))
-        prev = (ev, len(ranges))
+        prev = (ev, len(items))
 
     bpw = s.bytes_per_weight
     qkv_heads = s.heads + 2 * s.kv_heads
@@ -93,8 +112,21 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_ATTN)
         op(NORM, layer, _row_blocks(rows), NORM_FFN)
-        op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
-        op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
+        if s.moe is not None and layer in s.moe_layers:
+            e = s.moe
+            slots = expert_slots(e, rows)
+            op(ROUTE, layer, [(0, rows)])
+            per_slot = _tiles(e.ffn, 32, 2 * s.hidden * e.expert_bytes, -(-threads // slots))
+            items = [(EXPERT_GU, t0, t1, a) for a in range(slots) for t0, t1 in per_slot]
+            if e.shared_ffn:
+                items += [(SHARED_GU, t0, t1, 0)
+                          for t0, t1 in _tiles(e.shared_ffn, 32, 2 * s.hidden * e.shared_bytes, threads)]
+            group(layer, items)
+            op(MOE_DOWN, layer, _tiles(s.hidden, 8, slots * e.ffn * e.expert_bytes + e.shared_ffn * e.shared_bytes,
+                                       threads))
+        else:
+            op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
+            op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_FFN)
     if n_out == 0:   # a prompt chunk that is not a prompt's end: no logits wanted
@@ -104,6 +136,11 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
     if argmax:
         op(ARGMAX, -1, [(b, b + 1) for b in range(n_out)])
     return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
+
+
+def expert_slots(moe: MoeShape, rows: int) -> int:
+    """The most experts a step of `rows` rows can use: each row picks `topk` distinct ones."""
+    return min(moe.experts, rows * moe.topk)
 
 
 def num_events(table: np.ndarray) -> int:
@@ -138,25 +175,58 @@ def validate(table: np.ndarray, shape: Shape, rows: int) -> None:
 
 
 def _check_coverage(table: np.ndarray, s: Shape, rows: int) -> None:
-    extent = {QKV: s.heads + 2 * s.kv_heads, O_PROJ: s.hidden, GATE_UP: s.ffn, DOWN: s.hidden, LM_HEAD: s.vocab}
-    by_op: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for t in table.tolist():
-        if t[OP] in extent:
-            by_op.setdefault((t[OP], t[LAYER]), []).append((t[T0], t[T1]))
-    layers = list(range(s.num_layers))
-    has_head = any(t[OP] == LM_HEAD for t in table.tolist())
-    for code, n in extent.items():
-        for layer in (([-1] if has_head else []) if code == LM_HEAD else layers):
-            spans = sorted(by_op.get((code, layer), []))
-            pos = 0
-            for a, b in spans:
-                if a != pos or b <= a:
-                    raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n} once")
-                if code == GATE_UP and (a % 32 or (b % 32 and b != n)):
-                    raise CpuPlanError(f"GATE_UP tiles must start and end on groups of 32, got {a}..{b}")
-                pos = b
-            if pos != n:
-                raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n}")
+    moe_layers = set(s.moe_layers) if s.moe is not None else set()
+    rows_list = table.tolist()
+    has_head = any(t[OP] == LM_HEAD for t in rows_list)
+    # (opcode, layer, aux) -> the extent its tiles must cover once; aux: an expert slot (EXPERT_GU)
+    want: dict[tuple[int, int, int], int] = {}
+    for layer in range(s.num_layers):
+        want[(QKV, layer, 0)] = s.heads + 2 * s.kv_heads
+        want[(O_PROJ, layer, 0)] = s.hidden
+        if layer in moe_layers:
+            assert s.moe is not None
+            want[(MOE_DOWN, layer, 0)] = s.hidden
+            for a in range(expert_slots(s.moe, rows)):
+                want[(EXPERT_GU, layer, a)] = s.moe.ffn
+            if s.moe.shared_ffn:
+                want[(SHARED_GU, layer, 0)] = s.moe.shared_ffn
+        else:
+            want[(GATE_UP, layer, 0)] = s.ffn
+            want[(DOWN, layer, 0)] = s.hidden
+    if has_head:
+        want[(LM_HEAD, -1, 0)] = s.vocab
+    tiled = {QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD, EXPERT_GU, SHARED_GU, MOE_DOWN}
+    by_op: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for t in rows_list:
+        if t[OP] in tiled:
+            key = (t[OP], t[LAYER], t[AUX] if t[OP] == EXPERT_GU else 0)
+            if key not in want:
+                raise CpuPlanError(f"{OP_NAMES[t[OP]]} task of layer {t[LAYER]} (aux {t[AUX]}) has no place here")
+            by_op.setdefault(key, []).append((t[T0], t[T1]))
+    for (code, layer, aux), n in want.items():
+        spans = sorted(by_op.get((code, layer, aux), []))
+        pos = 0
+        for a, b in spans:
+            if a != pos or b <= a:
+                raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n} once")
+            if code in (GATE_UP, EXPERT_GU, SHARED_GU) and (a % 32 or (b % 32 and b != n)):
+                raise CpuPlanError(f"{OP_NAMES[code]} tiles must start and end on groups of 32, got {a}..{b}")
+            pos = b
+        if pos != n:
+            raise CpuPlanError(f"{OP_NAMES[code]} of layer {layer}: tiles {spans} do not cover 0..{n}")
+    routes = [t[LAYER] for t in rows_list if t[OP] == ROUTE]
+    if sorted(routes) != sorted(moe_layers):
+        raise CpuPlanError(f"one ROUTE task per MoE layer {sorted(moe_layers)}, got {sorted(routes)}")
+    # the experts' products read the router's pairs, the DOWN tiles their outputs: ROUTE -> GU -> MOE_DOWN
+    ops_of: dict[int, set[int]] = {}
+    for t in rows_list:
+        ops_of.setdefault(t[SIG_EV], set()).add(t[OP])
+    for i, t in enumerate(rows_list):
+        if t[OP] in (EXPERT_GU, SHARED_GU, MOE_DOWN):
+            producers = ops_of.get(t[WAIT_EV], set())
+            need = {ROUTE} if t[OP] != MOE_DOWN else {EXPERT_GU, SHARED_GU}
+            if not producers & need:
+                raise CpuPlanError(f"task {i} ({OP_NAMES[t[OP]]}) does not wait on {sorted(OP_NAMES[c] for c in need)}")
     heads = {(t[LAYER], t[T0], t[T1]) for t in table.tolist() if t[OP] == ATTN}
     if len(heads) != s.num_layers * rows * s.kv_heads:
         raise CpuPlanError("attention tasks do not cover every (row, KV head) of every layer once")

@@ -24,9 +24,14 @@ import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
-from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, SSModel, SSStep
+from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, SSMat, SSModel, SSMoe, SSStep
 from slipstream.runtime import cpu_plan
+from slipstream.weights.moe import MoeLayer
 from slipstream.weights.quant import Linear
+
+# the KV cache's element types the step reads and writes: fp32, or fp16 (K and V rounded to half precision
+# when stored, widened in registers when attention reads them: half the bytes attention streams)
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -51,9 +56,11 @@ def default_threads() -> int:
 def _unhandled(c: Any) -> str | None:
     """A feature of config `c` this step does not compute (None: it computes them all). It computes
     Gemma 2/3's (GELU GLU, post-norms, scaled embedding, sliding-window layers with their own RoPE
-    base, a query scale, soft-capping) and Phi-3's (LongRoPE, partial rotary)."""
+    base, a query scale, soft-capping), Phi-3's (LongRoPE, partial rotary) and Qwen2/3-MoE's (softmax
+    top-k routing, optionally renormalised; a shared expert behind a sigmoid gate)."""
     if getattr(c, "num_experts", None):
-        return "mixture-of-experts layers"
+        if c.moe_intermediate_size % 32 or (c.shared_expert_intermediate_size or 0) % 32:
+            return "expert sizes that are not multiples of 32"
     if c.hidden_act not in ("silu", "gelu_tanh"):
         return f"a {c.hidden_act} GLU"
     if c.rope_dim % 2:
@@ -92,6 +99,23 @@ class _Buffers:
         self.logits = torch.zeros(rows, c.vocab_size, dtype=f32)
         self.next_tokens = torch.zeros(rows, dtype=torch.int64)
         self.tmp = torch.zeros(rows, c.hidden_size, dtype=f32) if dec.shape.post_norms else None
+        e = dec.shape.moe
+        if e is not None:   # the MoE layers' router outputs, (expert, row) pairs and expert activations
+            pairs = rows * e.topk
+            self.router = torch.zeros(rows, e.experts, dtype=f32)
+            self.sgate = torch.zeros(rows, dtype=f32)
+            self.moe_idx = torch.zeros(2 * e.experts + 2 + pairs, dtype=torch.int32)
+            self.pair_w = torch.zeros(pairs, dtype=f32)
+            self.hx = _Act(pairs, c.hidden_size)
+            self.eact = _Act(pairs, e.ffn)
+            self.sact = _Act(rows, max(32, e.shared_ffn))
+
+    def moe_args(self) -> tuple:
+        """SSStep's MoE fields (nulls for a dense model)."""
+        if not hasattr(self, "router"):
+            return (None, None, None, None, SSAct(), SSAct(), SSAct())
+        return (self.router.data_ptr(), self.sgate.data_ptr(), self.moe_idx.data_ptr(), self.pair_w.data_ptr(),
+                self.hx.struct(), self.eact.struct(), self.sact.struct())
 
 
 class CpuTeamDecoder:
@@ -101,11 +125,12 @@ class CpuTeamDecoder:
     device_greedy = True   # picks greedy tokens itself (no logits copy) when asked to
 
     def __init__(self, model: Any, kv: Any, exact: bool = False, threads: int | None = None):
-        why = self.unsupported(model)
+        why = self.unsupported(model, moe=True)
         if why is not None:
             raise RuntimeError(why)
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*kv.k, *kv.v)):
-            raise RuntimeError("the native runtime needs a float32 KV cache on the CPU")
+        kv_dtype = kv.k.dtype
+        if kv_dtype not in KV_DTYPES or kv.v.dtype != kv_dtype or {kv.k.device.type, kv.v.device.type} != {"cpu"}:
+            raise RuntimeError("the native runtime needs a float32 or float16 KV cache on the CPU")
         self.lib = load_library()
         self.model = model
         self.kv = kv
@@ -116,18 +141,31 @@ class CpuTeamDecoder:
         c = model.cfg
         layers = model.layers
         lm = model.lm_head
+        moe_layers = tuple(i for i, L in enumerate(layers) if isinstance(L, MoeLayer))
+        dense = next((L for L in layers if not isinstance(L, MoeLayer)), None)
+        moe = None
+        if moe_layers:
+            L0 = layers[moe_layers[0]]
+            moe = cpu_plan.MoeShape(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                                    c.shared_expert_intermediate_size or 0, _bytes_per_weight(L0.experts_gate_up[0]),
+                                    _bytes_per_weight(L0.shared_gate_up) if L0.shared_gate_up is not None else 1.0)
+        bpw = {n: _bytes_per_weight(getattr(layers[0], n)) for n in ("qkv", "o")}
+        bpw |= {n: _bytes_per_weight(getattr(dense, n)) if dense is not None else 1.0 for n in ("gate_up", "down")}
         self.shape = cpu_plan.Shape(
-            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-            c.vocab_size, {n: _bytes_per_weight(getattr(layers[0], n)) for n in ("qkv", "o", "gate_up", "down")}
-            | {"lm_head": _bytes_per_weight(lm)}, post_norms=layers[0].post_attn_norm is not None)
+            c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size or 32,
+            c.vocab_size, bpw | {"lm_head": _bytes_per_weight(lm)}, post_norms=layers[0].post_attn_norm is not None,
+            moe=moe, moe_layers=moe_layers)
+        self._moe = [self._moe_struct(L) if isinstance(L, MoeLayer) else None for L in layers]
         # the C side keeps raw pointers: these objects keep what they point to alive
         self._layers = (SSLayer * c.num_layers)(*[
-            SSLayer(L.qkv.ss_mat(), L.o.ss_mat(), L.gate_up.ss_mat(), L.down.ss_mat(),
+            SSLayer(L.qkv.ss_mat(), L.o.ss_mat(), *((SSMat(), SSMat()) if isinstance(L, MoeLayer)
+                                                    else (L.gate_up.ss_mat(), L.down.ss_mat())),
                     _ptr(L.attn_norm), _ptr(L.ffn_norm), _ptr(L.q_norm),
                     _ptr(L.k_norm), kv.k[i].data_ptr(), kv.v[i].data_ptr(),
                     _ptr(L.post_attn_norm), _ptr(L.post_ffn_norm),
                     (c.sliding_window or 0) if c.is_sliding(i) else 0,
-                    int(c.is_sliding(i) and model.inv_freq_local is not None))
+                    int(c.is_sliding(i) and model.inv_freq_local is not None), int(kv_dtype == torch.float16), 0,
+                    self._moe_ptr(i))
             for i, L in enumerate(layers)])
         act = ACT_GELU_TANH if c.hidden_act == "gelu_tanh" else ACT_SILU
         scale = c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5
@@ -141,11 +179,38 @@ class CpuTeamDecoder:
         self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
         self._events = np.zeros(0, dtype=np.int32)
 
+    def _moe_ptr(self, i: int) -> Any:
+        st = self._moe[i]
+        return None if st is None else ctypes.pointer(st[0])
+
+    def _moe_struct(self, L: MoeLayer) -> tuple[SSMoe, Any, Any]:
+        """A MoE layer's SSMoe and the expert arrays it points into (kept alive with it)."""
+        c = self.model.cfg
+        E = len(L.experts_gate_up)
+        gu = (SSMat * E)(*[w.ss_mat() for w in L.experts_gate_up])
+        dn = (SSMat * E)(*[w.ss_mat() for w in L.experts_down])
+        shared = L.shared_gate_up is not None
+        st = SSMoe(L.router.ss_mat(), L.shared_gate_up.ss_mat() if shared else SSMat(),
+                   L.shared_down.ss_mat() if shared else SSMat(),
+                   L.shared_gate.ss_mat() if L.shared_gate is not None else SSMat(),
+                   ctypes.cast(gu, ctypes.POINTER(SSMat)), ctypes.cast(dn, ctypes.POINTER(SSMat)), E,
+                   c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size or 0,
+                   int(bool(c.norm_topk_prob)), 0)
+        return st, gu, dn
+
+    # Qwen2/3-MoE models run here when a decoder is built for them directly (tests/runtime/test_cpu_moe.py);
+    # the registry (`auto`, `--runtime native`) still sends them to the eager step until this is switched on
+    moe_by_default = False
+
     @classmethod
-    def unsupported(cls, model: Any) -> str | None:
-        """Why this runtime cannot run `model` here, or None."""
+    def unsupported(cls, model: Any, moe: bool | None = None) -> str | None:
+        """Why this runtime cannot run `model` here, or None (`moe`: accept Qwen2/3-MoE models; default
+        `moe_by_default`)."""
         from slipstream.models.llama import LlamaModel
-        if not isinstance(model, LlamaModel):
+        from slipstream.models.qwen_moe import QwenMoeModel
+        if isinstance(model, QwenMoeModel) and not (cls.moe_by_default if moe is None else moe):
+            return "the native runtime does not compute mixture-of-experts layers (by default); the eager runtime does"
+        if not isinstance(model, (LlamaModel, QwenMoeModel)):
             return "the native runtime runs the Llama family (Llama, Mistral, Qwen2/3, SmolLM2)"
         if load_library() is None:
             return "the native CPU kernels are not available on this machine (no C compiler?)"
@@ -243,7 +308,7 @@ class CpuTeamDecoder:
         args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), st.h.struct(), st.qkv.data_ptr(),
                       st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr(),
-                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp))
+                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_args())
         table = self._table(B, n_out, tokens_only)
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
                          self._events.ctypes.data, len(self._events), int(self.exact))

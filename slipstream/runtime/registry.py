@@ -146,6 +146,44 @@ def placement(name: str, model: Any) -> str:
     return "cpu"
 
 
+def kv_cache_dtype(setting: str, name: str, model: Any, exact: bool = False) -> Any:
+    """The KV cache's element type (a torch dtype) for runtime `name` over `model` with the engine's
+    `kv_cache_dtype` setting, or None to keep the model's own (`model.kv_dtype`: the weights' on a GPU).
+    "auto": fp16 under the native runtime's fast path (half the bytes attention reads, twice the tokens
+    per byte of cache), fp32 under its exact path and the eager CPU step (the references); a GPU
+    placement keeps the model's. "fp32"/"fp16": that type on the CPU; SlipstreamError on a GPU placement
+    or for a model whose cache has no such choice (only the Llama family's `PagedKVCache` has one)."""
+    import torch
+
+    on_cpu = placement(name, model) == "cpu"
+    if setting == "auto":
+        if not on_cpu or not hasattr(model, "kv_dtype"):
+            return None
+        return torch.float16 if name == "native" and not exact else torch.float32
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[setting]
+    if not on_cpu or name not in ("native", "eager"):
+        raise SlipstreamError(f"--kv-cache-dtype {setting} applies to the native and eager CPU runtimes; on a GPU "
+                              "the KV cache takes the weights' dtype (use --kv-cache-dtype auto)")
+    if not hasattr(model, "kv_dtype"):
+        if dtype == torch.float32:
+            return None
+        raise SlipstreamError(f"this model's KV cache has no fp16 choice ({type(model).__name__}); "
+                              "use --kv-cache-dtype auto")
+    return dtype
+
+
+def kv_bytes_per_token(model: Any, dtype: Any = None) -> int:
+    """Bytes one token takes in `model`'s KV cache of `dtype` elements (None: the model's own)."""
+    return int(model.kv_bytes_per_token() if dtype is None else model.kv_bytes_per_token(dtype))
+
+
+def new_kv_cache(model: Any, num_blocks: int, block_size: int, dtype: Any = None) -> Any:
+    """`model`'s KV cache of `dtype` elements (None: the model's own; see `kv_cache_dtype`)."""
+    if dtype is None:
+        return model.new_kv_cache(num_blocks, block_size)
+    return model.new_kv_cache(num_blocks, block_size, dtype=dtype)
+
+
 def build_decoder(name: str, model: Any, kv: Any, options: DecoderOptions | None = None) -> Decoder:
     """The Decoder registered as `name`, over a model already placed (see `placement`)."""
     from slipstream.runtime.base import DecoderOptions

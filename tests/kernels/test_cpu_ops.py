@@ -68,6 +68,56 @@ def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
     torch.testing.assert_close(out.view(S, H, D), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([5, 67], 8, 2, 80),
+                                               ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256), ([200], 9, 3, 64)])
+def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int):
+    """Attention over an fp16 cache (the fast path's default): the keys and values widened in registers
+    give the reference's result over the same fp16 values to fp32 rounding (rtol 1e-4, atol 1e-5), and
+    the fp32-cache result to within the cache's rounding (half precision: 2^-11 relative per element;
+    the outputs here, weighted means of N(0, 1) values, within 2e-3)."""
+    g = torch.Generator().manual_seed(sum(lengths) + D)
+    S, total = len(lengths), sum(lengths) + 50
+    kc, vc = torch.randn(total, KVH, D, generator=g), torch.randn(total, KVH, D, generator=g)
+    kh, vh = kc.half(), vc.half()
+    perm = torch.randperm(total, generator=g)
+    seq_slots, start = [], 0
+    for n in lengths:
+        seq_slots.append(perm[start:start + n].clone())
+        start += n
+    slots = torch.cat(seq_slots)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    row = (H + 2 * KVH) * D
+    qkv = torch.randn(S, row, generator=g)
+    out = torch.empty(S, H * D)
+    scale = D ** -0.5
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.attn_decode_f16(vp(qkv.data_ptr()), i32(row), i32(S), i32(H), i32(KVH), i32(D), vp(slots.data_ptr()),
+                        vp(starts.data_ptr()), vp(kh.data_ptr()), vp(vh.data_ptr()), f32(scale), vp(out.data_ptr()))
+    q = qkv[:, :H * D].view(S, H, D)
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kh.float(), vh.float(), seq_slots, scale),
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kc, vc, seq_slots, scale), rtol=0, atol=2e-3)
+
+
+def test_f32_to_f16_rounds_as_torch():
+    """The cache store's conversion: bit-identical to torch's .half() (nearest, ties to even), over normal,
+    subnormal, overflowing and tie values, on the vector path and the scalar tail."""
+    g = torch.Generator().manual_seed(3)
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    finite = halves[torch.isfinite(halves)]
+    ties = (finite[:-1] + finite[1:]) / 2                # exactly between two halves (where representable)
+    x = torch.cat([torch.randn(10001, generator=g) * 10, torch.randn(1000, generator=g) * 1e-6,
+                   torch.tensor([65504.0, 65519.0, 65520.0, 1e6, -1e6, float("inf"), -float("inf"), 0.0, -0.0,
+                                 2.0 ** -25, 2.0 ** -24, 3 * 2.0 ** -26, 1e-30]), finite, ties]).contiguous()
+    out = torch.empty(x.numel(), dtype=torch.float16)
+    lib.f32_to_f16(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.numel()), ctypes.c_void_p(out.data_ptr()))
+    assert torch.equal(out.view(torch.int16), x.half().view(torch.int16))
+    tail = x[:7].contiguous()                             # fewer than a vector: the portable converter
+    out7 = torch.empty(7, dtype=torch.float16)
+    lib.f32_to_f16(ctypes.c_void_p(tail.data_ptr()), ctypes.c_int64(7), ctypes.c_void_p(out7.data_ptr()))
+    assert torch.equal(out7.view(torch.int16), tail.half().view(torch.int16))
+
+
 def test_silu_mul():
     g = torch.Generator().manual_seed(0)
     gu = torch.randn(3, 2 * 96, generator=g) * 4

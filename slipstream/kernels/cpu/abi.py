@@ -22,10 +22,19 @@ SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", 
                   ("qtype", _I), ("next", ctypes.POINTER(SSMat))]
 
 
+class SSMoe(ctypes.Structure):
+    """A mixture-of-experts FFN: router, the shared expert (n == 0: none) and its gate, arrays of the E
+    experts' fused gate/up and down matrices; sizes and whether the top-k weights are renormalised."""
+    _fields_ = [("router", SSMat), ("shared_gate_up", SSMat), ("shared_down", SSMat), ("shared_gate", SSMat),
+                ("gate_up", ctypes.POINTER(SSMat)), ("down", ctypes.POINTER(SSMat)), ("experts", _I), ("topk", _I),
+                ("ffn", _I), ("shared_ffn", _I), ("norm_topk", _I), ("pad", _I)]
+
+
 class SSLayer(ctypes.Structure):
     _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
                 ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P),
-                ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I), ("rope_local", _I)]
+                ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I), ("rope_local", _I),
+                ("kv_f16", _I), ("pad", _I), ("moe", ctypes.POINTER(SSMoe))]
 
 
 class SSModel(ctypes.Structure):
@@ -47,4 +56,6 @@ class SSStep(ctypes.Structure):
     _fields_ = [("rows", _I), ("pad", _I), ("tokens", _P), ("write_slots", _P), ("read_slots", _P),
                 ("starts", _P), ("cos", _P), ("sin", _P), ("x", _P), ("h", SSAct), ("qkv", _P),
                 ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P),
-                ("n_out", _I), ("pad2", _I), ("out_rows", _P), ("cos_local", _P), ("sin_local", _P), ("tmp", _P)]
+                ("n_out", _I), ("pad2", _I), ("out_rows", _P), ("cos_local", _P), ("sin_local", _P), ("tmp", _P),
+                ("router", _P), ("sgate", _P), ("moe_idx", _P), ("pair_w", _P), ("hx", SSAct), ("eact", SSAct),
+                ("sact", SSAct)]

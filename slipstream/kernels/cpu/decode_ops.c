@@ -34,18 +34,35 @@ void rope_store(float *qkv, int T, int H, int KVH, int D, const float *cs, const
 
 // Decode attention: one query token per sequence against its cached keys.
 // q: [S][H*D] (row stride q_stride floats); slots: the cache slots of every sequence's context,
-// concatenated; starts[s]..starts[s+1] delimits sequence s. out: [S][H*D].
-void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
-                 const int64_t *starts, const float *kcache, const float *vcache, float scale, float *out) {
+// concatenated; starts[s]..starts[s+1] delimits sequence s. out: [S][H*D]. The cache's elements are
+// fp32, or IEEE fp16 when f16 (attn_decode_f16).
+static void attn_decode_any(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
+                            const int64_t *starts, const void *kcache, const void *vcache, int f16, float scale,
+                            float *out) {
     for (int s = 0; s < S; s++) {
         const int64_t n = starts[s + 1] - starts[s];
         const int group = H / KVH;
         float *p = (float *)malloc(sizeof(float) * (n > 0 ? n * group : 1));
         for (int kvh = 0; kvh < KVH; kvh++)
-            ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, KVH, kvh, D,
+            ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, f16, KVH, kvh, D,
                             slots + starts[s], n, scale, 0.f, p, out + (int64_t)s * H * D + kvh * group * D);
         free(p);
     }
+}
+
+void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
+                 const int64_t *starts, const float *kcache, const float *vcache, float scale, float *out) {
+    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, 0, scale, out);
+}
+
+void attn_decode_f16(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
+                     const int64_t *starts, const uint16_t *kcache, const uint16_t *vcache, float scale, float *out) {
+    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, 1, scale, out);
+}
+
+// n floats -> IEEE fp16 (what the step stores into an fp16 KV cache)
+void f32_to_f16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i += 1 << 20) ss_store_half_row(x + i, out + i, n - i < (1 << 20) ? (int)(n - i) : 1 << 20);
 }
 
 // out = silu(gate) * up for gu = [gate (F) | up (F)] per row

@@ -23,21 +23,106 @@ static inline void ss_rope_head(float *v, const float *cs, const float *sn, int 
     }
 }
 
-// One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh):
+// -- fp16 KV rows ----------------------------------------------------------------------------------
+// The KV cache holds fp32 or IEEE fp16 rows (SSLayer.kv_f16): K and V are rounded to fp16 (nearest,
+// ties to even, as torch's .to(float16)) when stored and widened to fp32 in registers when read.
+#if defined(SS_AVX2) && defined(__F16C__)
+#define SS_F16C 1
+#endif
+
+// one float -> IEEE half, round to nearest even (overflow to inf, subnormals kept)
+static inline uint16_t ss_f32_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));   // inf, nan
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);   // rounds past 65504: inf
+    if (x < 0x38800000u) {   // below the smallest normal half: a subnormal (or zero)
+        if (x < 0x33000000u) return (uint16_t)sign;   // below half the smallest subnormal: zero
+        const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;   // value = m * 2^(e - 150)
+        uint32_t r = m >> shift;   // units of 2^-24
+        const uint32_t rest = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((x >> 13) - (112u << 10));   // rebias the exponent, keep 10 mantissa bits
+    const uint32_t rest = x & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (r & 1))) r++;   // a carry into the exponent is right too
+    return (uint16_t)(sign | r);
+}
+
+static inline float ss_half_to_f32(uint16_t h) {
+    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= s;
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// n floats -> fp16 (a K or V row stored into the cache)
+static inline void ss_store_half_row(const float *f, uint16_t *h, int n) {
+    int i = 0;
+#if defined(SS_F16C)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(f + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) vst1_u16(h + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(f + i))));
+#endif
+    for (; i < n; i++) h[i] = ss_f32_to_half(f[i]);
+}
+
+// n fp16 -> floats
+static inline void ss_load_half_row(const uint16_t *h, float *f, int n) {
+    int i = 0;
+#if defined(SS_F16C)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < n; i++) f[i] = ss_half_to_f32(h[i]);
+}
+
+// a token's row of KV head kvh in a cache of [slots][KVH][D] fp32 or fp16 elements
+#define SS_KV_ROW(cache, f16, slot, KVH, kvh, D) \
+    ((const char *)(cache) + ((int64_t)(slot) * (KVH) + (kvh)) * (int64_t)(D) * ((f16) ? 2 : 4))
+
+// K or V of one token stored at its slot (fp32 or fp16)
+static inline void ss_kv_store(void *cache, int f16, int64_t slot, int KVH, int kvh, int D, const float *v) {
+    char *dst = (char *)SS_KV_ROW(cache, f16, slot, KVH, kvh, D);
+    if (f16) ss_store_half_row(v, (uint16_t *)dst, D);
+    else memcpy(dst, v, sizeof(float) * D);
+}
+
+// One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh; fp16 when f16):
 // out[D] = softmax(s) . v with s = q . k * scale, or cap * tanh(s / cap) when cap > 0 (Gemma 2's
 // soft-capping); p: scratch of n floats
-static inline void ss_attend(const float *q, const float *kcache, const float *vcache, int KVH, int kvh, int D,
-                             const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out) {
+static inline void ss_attend(const float *q, const void *kcache, const void *vcache, int f16, int KVH, int kvh,
+                             int D, const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out) {
+    float row[f16 ? D : 1];
+#define SS_ROW(cache, j) (f16 ? (ss_load_half_row((const uint16_t *)SS_KV_ROW(cache, 1, slots[j], KVH, kvh, D), row, D), \
+                                 (const float *)row)                                                              \
+                              : (const float *)SS_KV_ROW(cache, 0, slots[j], KVH, kvh, D))
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        p[j] = ss_dot(q, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
+        p[j] = ss_dot(q, SS_ROW(kcache, j), D) * scale;
         if (cap > 0.f) p[j] = cap * tanhf(p[j] / cap);
         if (p[j] > mx) mx = p[j];
     }
     const float sum = ss_exp_shift(p, n, mx);
     const float inv = 1.0f / sum;
     memset(out, 0, sizeof(float) * D);
-    for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, vcache + (slots[j] * KVH + kvh) * D, D);
+    for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, SS_ROW(vcache, j), D);
+#undef SS_ROW
 }
 
 #if defined(SS_AVX2)
@@ -47,14 +132,23 @@ AI __m128 ss_hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// eight cache elements as floats (fp16 widened in the register: F16C's vcvtph2ps)
+AI __m256 ss_kv_load8(const char *row, int d, int f16) {
+#if defined(SS_F16C)
+    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
+#endif
+    return _mm256_loadu_ps((const float *)row + d);
+}
+
 // scores of two query heads (q0, q1; q1 may equal q0) against four keys, D % 8 == 0
-AI void ss_scores_2x4(const float *q0, const float *q1, const float *const k[4], int D, __m128 *s0, __m128 *s1) {
+AI void ss_scores_2x4(const float *q0, const float *q1, const char *const k[4], int D, int f16, __m128 *s0,
+                      __m128 *s1) {
     __m256 a[4], b[4];
     for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
         for (int j = 0; j < 4; j++) {
-            const __m256 kv = _mm256_loadu_ps(k[j] + d);
+            const __m256 kv = ss_kv_load8(k[j], d, f16);
             a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
             b[j] = _mm256_fmadd_ps(x1, kv, b[j]);
         }
@@ -62,62 +156,83 @@ AI void ss_scores_2x4(const float *q0, const float *q1, const float *const k[4],
     *s0 = ss_hsum4_ps(a[0], a[1], a[2], a[3]);
     *s1 = ss_hsum4_ps(b[0], b[1], b[2], b[3]);
 }
+
+// ss_attend_heads' vector body, specialised for the cache's element type (f16 a constant)
+AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const void *vcache, const int f16,
+                             int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
+                             float *p, float *out) {
+    const __m128 sc = _mm_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const char *k[4];
+        for (int t = 0; t < 4; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
+        for (int h = 0; h < nh; h += 2) {
+            const int h1 = h + 1 < nh ? h + 1 : h;
+            __m128 s0, s1;
+            ss_scores_2x4(q + h * D, q + h1 * D, k, D, f16, &s0, &s1);
+            _mm_storeu_ps(p + h * n + j, _mm_mul_ps(s0, sc));
+            if (h1 != h) _mm_storeu_ps(p + h1 * n + j, _mm_mul_ps(s1, sc));
+        }
+    }
+    for (; j < n; j++) {
+        const char *k = SS_KV_ROW(kcache, f16, slots[j], KVH, kvh, D);
+        for (int h = 0; h < nh; h++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), ss_kv_load8(k, d, f16), acc);
+            p[h * n + j] = hsum256(acc) * scale;
+        }
+    }
+    for (int h = 0; h < nh; h++) {
+        float *ph = p + h * n, mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
+            mx = ph[i] > mx ? ph[i] : mx;
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / ss_exp_shift(ph, n, mx));
+        float *o = out + h * D;
+        for (int d0 = 0; d0 < D; d0 += 64) {   // 64 output dims in eight registers at a time
+            const int w = D - d0 < 64 ? (D - d0) / 8 : 8;
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < n; i++) {
+                const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+                const __m256 pi = _mm256_broadcast_ss(ph + i);
+                if (w == 8) {
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pi, ss_kv_load8(v, d0 + 8 * t, f16), acc[t]);
+                } else {
+                    for (int t = 0; t < w; t++) acc[t] = _mm256_fmadd_ps(pi, ss_kv_load8(v, d0 + 8 * t, f16), acc[t]);
+                }
+            }
+            for (int t = 0; t < w; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
+        }
+    }
+}
 #endif
 
-// The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys: ss_attend for
-// each, with every key and value row read once for all of them while in cache. The scores of four keys
-// are kept in four independent accumulators (no dependent chain of FMAs and one horizontal sum per
-// four keys), and each head's output stays in registers while the values stream by.
-// p: scratch of nh * n floats.
-static inline void ss_attend_heads(const float *q, int nh, const float *kcache, const float *vcache, int KVH,
+// The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (fp32 rows, or
+// fp16 rows when f16): ss_attend for each, with every key and value row read once for all of them while
+// in cache. The scores of four keys are kept in four independent accumulators (no dependent chain of FMAs
+// and one horizontal sum per four keys), and each head's output stays in registers while the values
+// stream by. p: scratch of nh * n floats.
+static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
                                    int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                                    float *p, float *out) {
 #if defined(SS_AVX2)
     if (D % 8 == 0 && n > 0) {
-        const __m128 sc = _mm_set1_ps(scale);
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-            const float *k[4];
-            for (int t = 0; t < 4; t++) k[t] = kcache + (slots[j + t] * KVH + kvh) * D;
-            for (int h = 0; h < nh; h += 2) {
-                const int h1 = h + 1 < nh ? h + 1 : h;
-                __m128 s0, s1;
-                ss_scores_2x4(q + h * D, q + h1 * D, k, D, &s0, &s1);
-                _mm_storeu_ps(p + h * n + j, _mm_mul_ps(s0, sc));
-                if (h1 != h) _mm_storeu_ps(p + h1 * n + j, _mm_mul_ps(s1, sc));
-            }
+#if defined(SS_F16C)
+        if (f16) {
+            ss_attend_heads_avx2(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out);
+            return;
         }
-        for (; j < n; j++)
-            for (int h = 0; h < nh; h++)
-                p[h * n + j] = ss_dot(q + h * D, kcache + (slots[j] * KVH + kvh) * D, D) * scale;
-        for (int h = 0; h < nh; h++) {
-            float *ph = p + h * n, mx = -INFINITY;
-            for (int64_t i = 0; i < n; i++) {
-                if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
-                mx = ph[i] > mx ? ph[i] : mx;
-            }
-            const __m256 inv = _mm256_set1_ps(1.0f / ss_exp_shift(ph, n, mx));
-            float *o = out + h * D;
-            for (int d0 = 0; d0 < D; d0 += 64) {   // 64 output dims in eight registers at a time
-                const int w = D - d0 < 64 ? (D - d0) / 8 : 8;
-                __m256 acc[8];
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-                for (int64_t i = 0; i < n; i++) {
-                    const float *v = vcache + (slots[i] * KVH + kvh) * D + d0;
-                    const __m256 pi = _mm256_broadcast_ss(ph + i);
-                    if (w == 8) {
-                        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * t), acc[t]);
-                    } else {
-                        for (int t = 0; t < w; t++) acc[t] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8 * t), acc[t]);
-                    }
-                }
-                for (int t = 0; t < w; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
-            }
+#endif
+        if (!f16) {
+            ss_attend_heads_avx2(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out);
+            return;
         }
-        return;
     }
 #endif
-    for (int h = 0; h < nh; h++) ss_attend(q + h * D, kcache, vcache, KVH, kvh, D, slots, n, scale, cap, p, out + h * D);
+    for (int h = 0; h < nh; h++)
+        ss_attend(q + h * D, kcache, vcache, f16, KVH, kvh, D, slots, n, scale, cap, p, out + h * D);
 }
 
 // out[i] = silu(g[i]) * u[i]

@@ -41,14 +41,27 @@ typedef struct SSMat {
     const struct SSMat *next;
 } SSMat;
 
+// A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE): p = softmax(router h), the top k kept (renormalised to sum
+// 1 when norm_topk), y = sum_k p_k down_e(silu(gate_e h) * up_e h) [+ sigmoid(shared_gate h) shared(h)].
+typedef struct SSMoe {
+    SSMat router;                         // [E][hidden]
+    SSMat shared_gate_up, shared_down;    // [2 Fs][hidden], [hidden][Fs] (n == 0: no shared expert)
+    SSMat shared_gate;                    // [1][hidden]
+    const SSMat *gate_up, *down;          // [E] each: [2 F][hidden] (gate rows, then up rows), [hidden][F]
+    int32_t experts, topk, ffn, shared_ffn, norm_topk, pad;
+} SSMoe;
+
 typedef struct {
     SSMat qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
-    float *kcache, *vcache;   // [slots][KVH][D]
+    void *kcache, *vcache;    // [slots][KVH][D], fp32 or (kv_f16) IEEE fp16 elements
     // Gemma: RMSNorms of the attention and MLP outputs before their residual adds (NULL: none)
     const float *post_attn_norm, *post_ffn_norm;
     int32_t window;           // sliding-window layer: a row sees its last `window` positions (0: all)
     int32_t rope_local;       // this layer rotates with the step's local RoPE tables
+    int32_t kv_f16;           // the cache holds fp16 (K and V rounded when stored, widened when read)
+    int32_t pad;
+    const SSMoe *moe;         // a mixture-of-experts FFN instead of gate_up/down (NULL: dense)
 } SSLayer;
 
 typedef struct {
@@ -92,6 +105,14 @@ typedef struct {
     const int64_t *out_rows;     // [n_out] which rows, in output order
     const float *cos_local, *sin_local;   // [rows][rotary / 2] the sliding layers' RoPE tables (NULL: none)
     float *tmp;                  // [rows][hidden] O and DOWN outputs before their post-norms (Gemma)
+    // mixture-of-experts layers (unused by dense models); one set, reused layer after layer
+    float *router;               // [rows][E] router logits
+    float *sgate;                // [rows] the shared expert's sigmoid gate
+    int32_t *moe_idx;            // n_active, active[E] (ascending), off[E + 1] into the pairs, pair_row[rows * k]
+    float *pair_w;               // [rows * k] each (expert, row) pair's routing weight, pairs grouped by expert
+    SSAct hx;                    // [rows * k][hidden] h's rows in pair order (each expert's rows contiguous)
+    SSAct eact;                  // [rows * k][F] the experts' GLU outputs, in pair order
+    SSAct sact;                  // [rows][Fs] the shared expert's GLU output
 } SSStep;
 
 typedef struct {
@@ -110,6 +131,10 @@ enum {
     OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T (output rows)
     OP_ARGMAX = 9,    // output row t0: next token = argmax(logits) (lowest index on ties)
     OP_POST = 10,     // rows t0..t1: x += RMSNorm(tmp) (aux: 0 after attention, 1 after the MLP)
+    OP_ROUTE = 11,    // all rows: router logits, softmax, top k (+ renormalisation), shared gate; pairs by expert
+    OP_EXPERT_GU = 12,   // columns t0..t1 of the aux-th active expert: eact = silu(h We_g^T) * (h We_u^T) of its rows
+    OP_SHARED_GU = 13,   // columns t0..t1 of the shared expert: sact = silu(h Ws_g^T) * (h Ws_u^T)
+    OP_MOE_DOWN = 14,    // hidden rows t0..t1: x += sum over active experts of w * (eact We_d^T) [+ gate * sact Ws_d^T]
 };
 
 // -- products over a tile of weight rows -------------------------------------------------------------
@@ -259,9 +284,125 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
         tl_scores = (float *)malloc(sizeof(float) * tl_cap);
     }
     const int h0 = kvh * group;
-    ss_attend_heads(s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D, group, L->kcache, L->vcache, KVH, kvh, D, sl,
-                    n, m->attn_scale, m->attn_softcap, tl_scores, s->attn.f + (int64_t)b * H * D + h0 * D);
+    ss_attend_heads(s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D, group, L->kcache, L->vcache, L->kv_f16, KVH,
+                    kvh, D, sl, n, m->attn_scale, m->attn_softcap, tl_scores, s->attn.f + (int64_t)b * H * D + h0 * D);
     if (D % 32 == 0) prepare(&s->attn, b, H * D, kvh * group * D, (kvh + 1) * group * D, exact);
+}
+
+// -- mixture of experts ----------------------------------------------------------------------------------
+// `a` advanced by `r` rows of K columns (a view of an activation's rows r..)
+static SSAct act_rows(const SSAct *a, int64_t r, int K) {
+    const int64_t G = K / 32;
+    return (SSAct){a->f + r * K, a->q ? a->q + r * K : NULL, a->d ? a->d + r * G : NULL, a->s ? a->s + r * G : NULL};
+}
+
+// the router over every row: top-k experts and weights, the shared gate, then the (expert, row) pairs grouped
+// by expert (experts ascending, rows ascending within one) with h's rows copied in that order
+static void moe_route(const SSModel *m, const SSStep *s, const SSMoe *e, int exact) {
+    const int B = s->rows, E = e->experts, K = e->topk, hid = m->hidden, G = hid / 32;
+    mat_rows(&e->router, 0, E, B, &s->h, s->router, E, 0, exact);
+    if (e->shared_gate.n) {
+        mat_rows(&e->shared_gate, 0, 1, B, &s->h, s->sgate, 1, 0, exact);
+        for (int b = 0; b < B; b++) s->sgate[b] = 1.0f / (1.0f + expf(-s->sgate[b]));
+    }
+    int32_t *n_active = s->moe_idx, *active = n_active + 1, *off = active + E, *pair_row = off + E + 1;
+    int32_t *cnt = (int32_t *)alloca(sizeof(int32_t) * E), *sel = (int32_t *)alloca(sizeof(int32_t) * B * K);
+    float *selw = (float *)alloca(sizeof(float) * B * K);
+    memset(cnt, 0, sizeof(int32_t) * E);
+    for (int b = 0; b < B; b++) {
+        float *p = s->router + (int64_t)b * E, mx = -INFINITY, sum = 0.f;
+        for (int i = 0; i < E; i++) mx = p[i] > mx ? p[i] : mx;
+        for (int i = 0; i < E; i++) sum += p[i] = expf(p[i] - mx);
+        for (int i = 0; i < E; i++) p[i] /= sum;
+        float tot = 0.f;
+        for (int j = 0; j < K; j++) {   // the k largest probabilities (lowest index on ties), largest first
+            int best = -1;
+            for (int i = 0; i < E; i++) {
+                int taken = 0;
+                for (int q = 0; q < j; q++) taken |= sel[b * K + q] == i;
+                if (!taken && (best < 0 || p[i] > p[best])) best = i;
+            }
+            sel[b * K + j] = best;
+            selw[b * K + j] = p[best];
+            tot += p[best];
+            cnt[best]++;
+        }
+        if (e->norm_topk)
+            for (int j = 0; j < K; j++) selw[b * K + j] /= tot;
+    }
+    int n = 0, run = 0;
+    for (int i = 0; i < E; i++) {
+        if (!cnt[i]) continue;
+        active[n] = i;
+        off[n++] = run;
+        const int c = cnt[i];
+        cnt[i] = run;   // from here on: the expert's next free pair
+        run += c;
+    }
+    off[n] = run;
+    *n_active = n;
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < K; j++) {
+            const int p = cnt[sel[b * K + j]]++;
+            pair_row[p] = b;
+            s->pair_w[p] = selw[b * K + j];
+        }
+    for (int p = 0; p < run; p++) {
+        const int64_t b = pair_row[p];
+        memcpy(s->hx.f + (int64_t)p * hid, s->h.f + b * hid, sizeof(float) * hid);
+        if (exact) {
+            memcpy(s->hx.s + (int64_t)p * G, s->h.s + b * G, sizeof(float) * G);
+        } else {
+            memcpy(s->hx.q + (int64_t)p * hid, s->h.q + b * hid, (size_t)hid);
+            memcpy(s->hx.d + (int64_t)p * G, s->h.d + b * G, sizeof(float) * G);
+            memcpy(s->hx.s + (int64_t)p * G, s->h.s + b * G, sizeof(float) * G);
+        }
+    }
+}
+
+// columns [c0, c1) of a GLU: out rows = act(x W_gate^T) * (x W_up^T) over B rows of x, quantized for the next product
+static void glu_cols(const SSModel *m, const SSMat *gu, int F, int c0, int c1, int B, const SSAct *x, SSAct *out,
+                     int exact) {
+    const int w = c1 - c0;
+    float *g = (float *)malloc(sizeof(float) * (size_t)B * w * 2), *u = g + (size_t)B * w;
+    mat_rows(gu, c0, c1, B, x, g - c0, w, 0, exact);
+    mat_rows(gu, F + c0, F + c1, B, x, u - F - c0, w, 0, exact);
+    for (int b = 0; b < B; b++) {
+        float *a = out->f + (int64_t)b * F;
+        if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + c0);
+        else ss_silu_mul(g + b * w, u + b * w, w, a + c0);
+        prepare(out, b, F, c0, c1, exact);
+    }
+    free(g);
+}
+
+// hidden rows [n0, n1): x += sum over the active experts (ascending) of weight * down_e(eact), then the shared
+// expert's gate * down_s(sact); this task owns these hidden columns of every row (no other writer)
+static void moe_down(const SSModel *m, const SSStep *s, const SSMoe *e, int n0, int n1, int exact) {
+    const int B = s->rows, E = e->experts, F = e->ffn, hid = m->hidden, w = n1 - n0;
+    const int32_t *n_active = s->moe_idx, *active = n_active + 1, *off = active + E, *pair_row = off + E + 1;
+    float *acc = (float *)calloc((size_t)B * w, sizeof(float)), *y = (float *)malloc(sizeof(float) * (size_t)B * w);
+    for (int a = 0; a < *n_active; a++) {
+        const int p0 = off[a], np = off[a + 1] - p0;
+        const SSAct in = act_rows(&s->eact, p0, F);
+        mat_rows(&e->down[active[a]], n0, n1, np, &in, y - n0, w, 0, exact);
+        for (int b = 0; b < np; b++) {
+            float *ar = acc + (int64_t)pair_row[p0 + b] * w;
+            const float pw = s->pair_w[p0 + b];
+            for (int i = 0; i < w; i++) ar[i] += pw * y[b * w + i];
+        }
+    }
+    if (e->shared_down.n) {
+        mat_rows(&e->shared_down, n0, n1, B, &s->sact, y - n0, w, 0, exact);
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < w; i++) acc[b * w + i] += s->sgate[b] * y[b * w + i];
+    }
+    for (int b = 0; b < B; b++) {
+        float *x = s->x + (int64_t)b * hid + n0;
+        for (int i = 0; i < w; i++) x[i] += acc[b * w + i];
+    }
+    free(acc);
+    free(y);
 }
 
 static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exact) {
@@ -300,9 +441,9 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
                 } else if (hd < H + KVH) {
                     if (L->k_norm) ss_rmsnorm_row(v, L->k_norm, D, m->eps, v);
                     ss_rope_head(v, cs, sn, m->rotary);
-                    if (slot >= 0) memcpy(L->kcache + (slot * KVH + hd - H) * D, v, sizeof(float) * D);
+                    if (slot >= 0) ss_kv_store(L->kcache, L->kv_f16, slot, KVH, hd - H, D, v);
                 } else if (slot >= 0) {
-                    memcpy(L->vcache + (slot * KVH + hd - H - KVH) * D, v, sizeof(float) * D);
+                    ss_kv_store(L->vcache, L->kv_f16, slot, KVH, hd - H - KVH, D, v);
                 }
             }
         }
@@ -353,6 +494,25 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
                     float *l = s->logits + (int64_t)b * m->vocab + i;
                     *l = m->final_softcap * tanhf(*l / m->final_softcap);
                 }
+        break;
+    case OP_ROUTE:
+        moe_route(m, s, L->moe, exact);
+        break;
+    case OP_EXPERT_GU: {
+        const SSMoe *e = L->moe;
+        if (t->aux >= s->moe_idx[0]) break;   // fewer experts active in this step than the plan's slots
+        const int32_t *active = s->moe_idx + 1, *off = active + e->experts;
+        const int p0 = off[t->aux], np = off[t->aux + 1] - p0;
+        const SSAct in = act_rows(&s->hx, p0, m->hidden);
+        SSAct out = act_rows(&s->eact, p0, e->ffn);
+        glu_cols(m, &e->gate_up[active[t->aux]], e->ffn, t->t0, t->t1, np, &in, &out, exact);
+        break;
+    }
+    case OP_SHARED_GU:
+        glu_cols(m, &L->moe->shared_gate_up, L->moe->shared_ffn, t->t0, t->t1, B, &s->h, (SSAct *)&s->sact, exact);
+        break;
+    case OP_MOE_DOWN:
+        moe_down(m, s, L->moe, t->t0, t->t1, exact);
         break;
     case OP_ARGMAX: {
         const float *l = s->logits + (int64_t)t->t0 * m->vocab;
@@ -405,7 +565,7 @@ typedef struct {
 } Team;
 
 // optional per-opcode profile: busy and waiting nanoseconds, summed over threads
-#define N_OPS 11
+#define N_OPS 15
 static int prof_on;
 static _Atomic int64_t prof_busy[N_OPS], prof_wait[N_OPS], prof_count[N_OPS];
 
