@@ -11,7 +11,11 @@ lent, run `benchmarks/gpu_session.sh` and correct the assumptions below from the
 
 What is read from the compiled code (per kernel, `benchmarks/sass.py`): every loop's instructions
 per iteration, barriers, shuffles, global loads and their width, whether the loop's loads are used in
-the iteration that issues them (one chunk in flight) or carried to the next (two in flight); the
+the iteration that issues them (one chunk in flight) or carried to the next (two in flight); for
+loops Triton's pipeliner turned into asynchronous copies (LDGSTS, cp.async: the tensor-core paths),
+the depth of their waits (`DEPBAR.LE SB0, N`: N + 1 chunks in flight; bytes per step then come from
+the plan's K-chunk); local-memory (spill) loads and stores per loop; each branch's code outside its
+innermost loops; the megakernel's spin loop (with PREFETCH=1 it reads an O-tile chunk per poll); the
 megakernel's registers and spill stack (`cuobjdump -res-usage`). What comes from the plan/launches:
 tasks (opcode, tile, wait and signal events) and bytes per task; programs and grids per launch;
 from the kernel's constants, whether it draws tickets one task ahead (`TICKET_AHEAD`).
@@ -24,7 +28,10 @@ tasks in ticket order (the earliest free program gets the next ticket); a task s
 program is free and its wait event has its count (signal + poll latency after the last producer);
 it costs a ticket atomic, the task-row load, one poll, a release signal, then its loops (with
 tickets drawn ahead, a program's later tasks wait for their ticket only while its atomic, issued
-when the previous task began, is still in flight). Each
+when the previous task began, is still in flight). With PREFETCH=1 a waiting O_PROJ task spins
+at the compiled spin loop's rate (a chunk read and a poll per spin), proceeds at the end of the
+first spin begun once its event was visible, and runs the chunks it read at L2 latency and
+bandwidth. Each
 phase's tasks share HBM bandwidth equally (bandwidth / min(tasks of the phase, SMs)). Graph:
 per launch, the launch cost plus waves of programs (occupancy from registers and shared memory).
 Both are floored at the step's bytes / copy bandwidth. Roofline: the step's weight + KV bytes /
@@ -573,14 +580,16 @@ def phase_table(timeline: list[tuple[int, int, float, float, float]], layer: int
 def resources(shapes: list[str], batches: list[int], context: int) -> None:
     """Registers, spill stack and 16-byte loads of the megakernel as the runtime builds it
     (`default_tiles` for 132 SMs), with the Triton that runs this script (compiled, not modelled)."""
+    import re
+
     import triton
 
     from slipstream.models.random_init import shape_config
     from slipstream.runtime import megakernel as mk
     from slipstream.runtime.plan import WeightLayout, compile_plan
-    print(f"| shape | batch | registers | spill stack (bytes) | 16-byte loads |  (Triton {triton.__version__}, sm_90a, "
-          f"8 warps, context {context}, default_tiles)")
-    print("|---|---|---|---|---|")
+    print(f"| shape | batch | registers | spill stack (bytes) | 16-byte loads | 16-byte cp.async |  (Triton "
+          f"{triton.__version__}, sm_90a, 8 warps, context {context}, default_tiles)")
+    print("|---|---|---|---|---|---|")
     for sh in shapes:
         cfg = shape_config(sh)
         for b in batches:
@@ -588,7 +597,9 @@ def resources(shapes: list[str], batches: list[int], context: int) -> None:
                                 mk.default_tiles(cfg, context, HW.sms))
             k = mk.compile_offline(plan)
             use = mk.resource_usage(k.asm["cubin"])
-            print(f"| {sh} | {b} | {use['reg']} | {use['stack']} | {k.asm['ptx'].count('ld.global.v4')} |", flush=True)
+            ptx = k.asm["ptx"]
+            cp16 = len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*\],\s*(?:16|0x10),", ptx))
+            print(f"| {sh} | {b} | {use['reg']} | {use['stack']} | {ptx.count('ld.global.v4')} | {cp16} |", flush=True)
 
 
 def main() -> None:

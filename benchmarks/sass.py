@@ -3,9 +3,10 @@
 `nvdisasm` (bundled with Triton's CUDA backend) disassembles a cubin with the source line of every
 instruction (`-gi`). A loop is a backward branch; for every loop we count its instructions, barriers
 (`BAR`), warp shuffles (`SHFL`), shared-memory traffic (`LDS`/`STS`), global loads by width
-(`LDG.E.128` = 16 bytes; `LDGSTS...128`: 16-byte asynchronous copies to shared memory) and atomics, and we note the Python source lines it came from. The GPU
-latency model (`gpu_model.py`) turns these counts into time per iteration; the compile tests read
-the same counts to check that no barrier or layout conversion sits inside a matvec K loop.
+(`LDG.E.128` = 16 bytes; `LDGSTS...128`: 16-byte asynchronous copies to shared memory) and
+atomics, and we note the Python source lines it came from. The GPU latency model (`gpu_model.py`)
+turns these counts into time per iteration; the compile tests read the same counts to check that
+no barrier or layout conversion sits inside a matvec K loop.
 """
 from __future__ import annotations
 

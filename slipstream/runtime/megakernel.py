@@ -154,7 +154,10 @@ def kernel_constants(p: Plan, block_k: int | None = None,
         if block_k:
             return block_k
         if B >= 4 and DOT_TILES and _pow2(tile) >= 16:    # `_mv_dot`: tensor-core tiles
-            return max(16, min(DOT_BK, _pow2(k)))
+            # 16-row one-matrix tiles (O, DOWN) take 4x the chunk: 64 leaves them latency-bound (modelled
+            # dense-1B b4 1562 -> 1173 us); at batch 8 beside 128-row LM tiles that spills 144 bytes (3.6)
+            wide = _pow2(tile) <= 16 and not two and (p.batch <= 4 or t.lm_head < 128)
+            return max(16, min(DOT_BK_NARROW if wide else DOT_BK, _pow2(k)))
         if B >= 4:    # `_mv_rows`: the smallest chunk whose [TILE, chunk] tile still loads 16 bytes
             return max(16, min(MV_ROWS_ELEMENTS // _pow2(tile), 128, _pow2(k)))   # per thread (8 bf16)
         budget = ACC_ELEMENTS // (2 if two else 1)    # two matrices (gate/up, RoPE halves): two accumulators
@@ -183,7 +186,8 @@ def kernel_constants(p: Plan, block_k: int | None = None,
 MV_ROWS_ELEMENTS = 2048   # batch 4-8: weight elements per `_mv_rows` step (8 per thread at 8 warps)
 ACC_ELEMENTS = 8192   # 32 float32 registers per thread at 8 warps
 DOT_TILES = bool(_kernel.DOT_TILES.value)   # batch 4-8: matvecs on tensor cores (`_mv_dot`), rows padded to 16
-DOT_BK = 64     # its K-chunk (128 spills 120 bytes at dense-1B batch 8 with Triton 3.9, 160 with 3.6)
+DOT_BK = 64     # its K-chunk (128 spills 120 bytes at dense-1B batch 8 with Triton 3.9, 160 with 3.6) ...
+DOT_BK_NARROW = 256   # ... and for 16-row one-matrix tiles (Triton 3.6 spill <= 56 bytes where used)
 PF_ELEMENTS = 8192   # weight elements per prefetch chunk: one HBM round trip per spin moves 16 KB
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 

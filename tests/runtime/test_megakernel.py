@@ -136,7 +136,8 @@ TRITON36 = Path(__file__).resolve().parents[2] / "build" / "venv-triton36" / "bi
 
 @pytest.mark.parametrize("triton_build", ["installed", "triton-3.6"])
 @pytest.mark.parametrize("shape,batch,profile", [
-    ("dense-1B", 1, True), ("dense-8B", 1, False), ("dense-1B", 8, False), ("dense-8B", 8, False),
+    ("dense-1B", 1, True), ("dense-8B", 1, False), ("dense-1B", 4, False), ("dense-1B", 8, False),
+    ("dense-8B", 8, False),
 ])
 def test_megakernel_compiles_for_hopper(shape, batch, profile, triton_build):
     """Triton's ahead-of-time compiler, targeting sm_90a, on the benchmark shapes (no GPU needed); a
