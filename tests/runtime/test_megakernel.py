@@ -96,10 +96,11 @@ def test_long_contexts_merge_many_splits_in_chunks():
     assert (lm - le).abs().max().item() < 1e-4
 
 
-def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
+@pytest.mark.parametrize("prefetch", [0, 1])   # 1: the waiting O_PROJ task reads its tile chunk by chunk
+def test_a_lost_signal_sets_the_error_word_instead_of_hanging(prefetch):
     model = random_llama(shape_config("tiny"), seed=12, device=DEV)
     kv = model.new_kv_cache(16, BLOCK)
-    mk = MegakernelDecoder(model, kv, max_batch=1, max_context=32, tiles=TILES, num_programs=2)
+    mk = MegakernelDecoder(model, kv, max_batch=1, max_context=32, tiles=TILES, num_programs=2, prefetch=prefetch)
     seq = SequenceKV(kv)
     tok = _prefill(model, kv, seq, [5, 6, 7])
     s = mk.static(1)
@@ -109,7 +110,8 @@ def test_a_lost_signal_sets_the_error_word_instead_of_hanging():
     s.tasks[i, WAIT_COUNT] += 1
     t0 = time.perf_counter()
     # a bound far above any legitimate wait on a GPU (µs), small for the interpreter
-    launch(s, mk.W, kv.k, kv.v, mk.inv_freq, mk.num_programs, max_spins=50 if DEV == "cpu" else 200_000)
+    launch(s, mk.W, kv.k, kv.v, mk.inv_freq, mk.num_programs, max_spins=50 if DEV == "cpu" else 200_000,
+           prefetch=prefetch)
     with pytest.raises(MegakernelError, match=rf"task {i} \(O_PROJ, layer 0.*timed out.*attn_done"):
         check(s)
     assert time.perf_counter() - t0 < 60

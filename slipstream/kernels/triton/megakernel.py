@@ -329,8 +329,9 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 while (seen < target) & (spins < max_spins) & (err == 0):
                     if PREFETCH == 1:   # the chunk's loads issued before the poll, used after it: both in flight
                         ks = pf * PF_K + tl.arange(0, PF_K)
+                        k_live = (ks < H * D) & ((ks * 0 + pf) < n_pf)   # no chunk once the tile is read
                         chunk = tl.load(W_ptr + w_off + pf_rows[:, None] * (H * D) + ks[None, :],
-                                        mask=(pf_rmask[:, None] & (ks < H * D)[None, :]) & (pf < n_pf), other=0.0)
+                                        mask=pf_rmask[:, None] & k_live[None, :], other=0.0)
                         pf += 1
                     seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
                     if PREFETCH == 1:
