@@ -145,7 +145,9 @@ def kernel_constants(p: Plan, block_k: int | None = None,
     """The compile-time constants of the kernel for a plan (one specialisation per model and bucket).
     The K-chunk of each matvec (BK_*) keeps its [batch, tile, K-chunk] accumulator at ACC_ELEMENTS
     (16 float32 registers per thread at 8 warps): wide chunks at batch 1 (more bytes in flight per
-    program), narrower at batch 8 where a wider one would spill. `block_k` forces one chunk for all."""
+    program). Batch 4-8 runs its matvecs on tensor cores (`_mv_dot`, chunks DOT_BK / DOT_BK_NARROW,
+    chosen from the compiled spill with Triton 3.6 and 3.9 and the GPU latency model). `block_k`
+    forces one chunk for all. `kv_dtype`: the KV cache's dtype (ATTN_SPLIT's tensor-core products)."""
     t = p.tiles
     B = _pow2(p.batch)
     Hd, F, HD = p.hidden_size, p.intermediate_size, p.num_heads * p.head_dim
