@@ -140,21 +140,41 @@ AI __m256 ss_kv_load8(const char *row, int d, int f16) {
     return _mm256_loadu_ps((const float *)row + d);
 }
 
-// scores of two query heads (q0, q1; q1 may equal q0) against four keys, D % 8 == 0
-AI void ss_scores_2x4(const float *q0, const float *q1, const char *const k[4], int D, int f16, __m128 *s0,
-                      __m128 *s1) {
-    __m256 a[4], b[4];
-    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
+// scores of HB query heads (q, D apart; HB <= 3) against four keys, D % 8 == 0: 4 HB accumulators, each key
+// vector loaded (and widened) once for all the heads
+AI void ss_scores_hx4(const float *q, const int HB, const char *const k[4], int D, const int f16, __m128 *s) {
+    __m256 a[3][4];
+    for (int h = 0; h < HB; h++)
+        for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
         for (int j = 0; j < 4; j++) {
             const __m256 kv = ss_kv_load8(k[j], d, f16);
-            a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
-            b[j] = _mm256_fmadd_ps(x1, kv, b[j]);
+            for (int h = 0; h < HB; h++) a[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, a[h][j]);
         }
     }
-    *s0 = ss_hsum4_ps(a[0], a[1], a[2], a[3]);
-    *s1 = ss_hsum4_ps(b[0], b[1], b[2], b[3]);
+    for (int h = 0; h < HB; h++) s[h] = ss_hsum4_ps(a[h][0], a[h][1], a[h][2], a[h][3]);
+}
+
+// out[h][d0 .. d0 + 8 W) = sum_i p[h][i] v_i[...] for HB heads (HB <= 3, W <= 4: 12 accumulators): each value
+// vector loaded (and widened) once for all the heads; p rows n apart, outputs D apart, scaled by inv[h]
+AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache, const int f16, int KVH, int kvh,
+                     int D, const int64_t *slots, int d0, const int W, const float *inv, float *out) {
+    __m256 acc[3][4];
+    for (int h = 0; h < HB; h++)
+        for (int t = 0; t < W; t++) acc[h][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+        __m256 vv[4];
+        for (int t = 0; t < W; t++) vv[t] = ss_kv_load8(v, d0 + 8 * t, f16);
+        for (int h = 0; h < HB; h++) {
+            const __m256 pi = _mm256_broadcast_ss(p + h * n + i);
+            for (int t = 0; t < W; t++) acc[h][t] = _mm256_fmadd_ps(pi, vv[t], acc[h][t]);
+        }
+    }
+    for (int h = 0; h < HB; h++) {
+        const __m256 s = _mm256_set1_ps(inv[h]);
+        for (int t = 0; t < W; t++) _mm256_storeu_ps(out + h * D + d0 + 8 * t, _mm256_mul_ps(acc[h][t], s));
+    }
 }
 
 // ss_attend_heads' vector body, specialised for the cache's element type (f16 a constant)
@@ -166,12 +186,13 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
     for (; j + 4 <= n; j += 4) {
         const char *k[4];
         for (int t = 0; t < 4; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
-        for (int h = 0; h < nh; h += 2) {
-            const int h1 = h + 1 < nh ? h + 1 : h;
-            __m128 s0, s1;
-            ss_scores_2x4(q + h * D, q + h1 * D, k, D, f16, &s0, &s1);
-            _mm_storeu_ps(p + h * n + j, _mm_mul_ps(s0, sc));
-            if (h1 != h) _mm_storeu_ps(p + h1 * n + j, _mm_mul_ps(s1, sc));
+        for (int h = 0; h < nh; h += 3) {   // the heads three at a time (a group of 4: 3 + 1)
+            __m128 sv[3];
+            const int hb = nh - h < 3 ? nh - h : 3;
+            if (hb == 3) ss_scores_hx4(q + h * D, 3, k, D, f16, sv);
+            else if (hb == 2) ss_scores_hx4(q + h * D, 2, k, D, f16, sv);
+            else ss_scores_hx4(q + h * D, 1, k, D, f16, sv);
+            for (int t = 0; t < hb; t++) _mm_storeu_ps(p + (h + t) * n + j, _mm_mul_ps(sv[t], sc));
         }
     }
     for (; j < n; j++) {
@@ -182,28 +203,27 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
             p[h * n + j] = hsum256(acc) * scale;
         }
     }
+    float inv[nh];   // 1 / each head's softmax sum
     for (int h = 0; h < nh; h++) {
         float *ph = p + h * n, mx = -INFINITY;
         for (int64_t i = 0; i < n; i++) {
             if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
             mx = ph[i] > mx ? ph[i] : mx;
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / ss_exp_shift(ph, n, mx));
-        float *o = out + h * D;
-        for (int d0 = 0; d0 < D; d0 += 64) {   // 64 output dims in eight registers at a time
-            const int w = D - d0 < 64 ? (D - d0) / 8 : 8;
-            __m256 acc[8];
-            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < n; i++) {
-                const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
-                const __m256 pi = _mm256_broadcast_ss(ph + i);
-                if (w == 8) {
-                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(pi, ss_kv_load8(v, d0 + 8 * t, f16), acc[t]);
-                } else {
-                    for (int t = 0; t < w; t++) acc[t] = _mm256_fmadd_ps(pi, ss_kv_load8(v, d0 + 8 * t, f16), acc[t]);
-                }
-            }
-            for (int t = 0; t < w; t++) _mm256_storeu_ps(o + d0 + 8 * t, _mm256_mul_ps(acc[t], inv));
+        inv[h] = 1.0f / ss_exp_shift(ph, n, mx);
+    }
+    for (int h = 0; h < nh; h += 3) {   // the values: 32 output dims of up to three heads per pass over them
+        const int hb = nh - h < 3 ? nh - h : 3;
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            const int w = D - d0 < 32 ? (D - d0) / 8 : 4;
+#define SS_VAL(HB, W) ss_values_hx(p + h * n, n, HB, vcache, f16, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
+#define SS_VAL_W(HB) do { if (w == 4) SS_VAL(HB, 4); else if (w == 3) SS_VAL(HB, 3); \
+                          else if (w == 2) SS_VAL(HB, 2); else SS_VAL(HB, 1); } while (0)
+            if (hb == 3) SS_VAL_W(3);
+            else if (hb == 2) SS_VAL_W(2);
+            else SS_VAL_W(1);
+#undef SS_VAL_W
+#undef SS_VAL
         }
     }
 }
@@ -211,9 +231,10 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 
 // The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (fp32 rows, or
 // fp16 rows when f16): ss_attend for each, with every key and value row read once for all of them while
-// in cache. The scores of four keys are kept in four independent accumulators (no dependent chain of FMAs
-// and one horizontal sum per four keys), and each head's output stays in registers while the values
-// stream by. p: scratch of nh * n floats.
+// in cache. Scores: four keys against up to three heads in 4 x 3 independent accumulators (no dependent
+// chain of FMAs, one horizontal sum per four keys, each key vector loaded and widened once for the three);
+// values: 32 output dims of up to three heads stay in registers while the values stream by, each value
+// vector loaded and widened once for them. p: scratch of nh * n floats.
 static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
                                    int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                                    float *p, float *out) {
