@@ -113,3 +113,31 @@ def test_registry_keeps_moe_on_eager_by_default(pair):
     _, model = pair
     assert registry.resolve_runtime("auto", model) == "eager"
     assert CpuTeamDecoder.unsupported(model, moe=True) is None
+
+
+@pytest.mark.parametrize("family", ["qwen2moe", "qwen3moe"])
+def test_engine_on_native_moe_matches_transformers(tmp_path, monkeypatch, family):
+    """With native MoE switched on (`moe_by_default`), the whole engine (LLM.generate: prompts prefilled as
+    native prompt chunks, two sequences decoded together, an fp32 KV cache on the exact path) gives
+    transformers' greedy tokens; the fast path (fp16 KV) runs too."""
+    from support import gguf_tokenizer
+
+    from slipstream import LLM, SamplingParams
+    from tests.models.test_qwen_moe import hf_moe, write_gguf
+    monkeypatch.setattr(CpuTeamDecoder, "moe_by_default", True)
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / f"{family}.gguf"
+    hf = hf_moe(family, seed=11)
+    write_gguf(hf, path, family, {"ffn_gate_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0}, gguf_tokenizer)
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), max_model_len=64, exact=True)
+    assert llm.engine.runtime_name == "native" and llm.engine.kv.k.dtype == torch.float32
+    for o in llm.generate(["abc!def", "xyz"], params):
+        with torch.no_grad():
+            ids = torch.tensor([o.prompt_token_ids])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
+        assert o.token_ids == ref
+    fast = LLM(str(path), max_model_len=64)
+    assert fast.engine.runtime_name == "native" and fast.engine.kv.k.dtype == torch.float16
+    assert all(len(o.token_ids) == 7 for o in fast.generate(["abc!def", "xyz"], params))
