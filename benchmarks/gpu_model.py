@@ -190,10 +190,23 @@ def _op_branches(path: Path) -> tuple[dict[int, tuple[int, int]], list[str]]:
             out[op] = (node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno)
             if node.orelse and not isinstance(node.orelse[0], ast.If):   # the final else: the last opcode
                 out[op + 100] = (node.orelse[0].lineno, node.orelse[-1].end_lineno or node.orelse[-1].lineno)
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "last_split":
+            # since plan version 3 the group's merge (ATTN_REDUCE) runs in the last split, after its signal
+            out[int(Op.ATTN_REDUCE)] = (node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno)
     last = max(k for k in out if k < 100)
     if last + 100 in out:
         out[last + 1] = out.pop(last + 100)
     return out, text.splitlines()
+
+
+def _branch_of(branches: dict[int, tuple[int, int]], line: int) -> int | None:
+    """The opcode of the innermost branch holding source line `line` (the merge, ATTN_REDUCE, lies
+    inside the ATTN_SPLIT branch since plan version 3)."""
+    best = None
+    for op, (a, b) in branches.items():
+        if a <= line <= b and (best is None or b - a < branches[best][1] - branches[best][0]):
+            best = op
+    return best
 
 
 KINDS = (("LMV_OFF", "argmax"), ("_rms_rstd(", "rstd"), ("_mv", "mv"), ("_prefetch_weights(", "prefetch"),
@@ -242,10 +255,9 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
         if spin is None and spin_src & set(lines) and any("STRONG" in i.opcode for i in lp.insts if i.base == "LDG"):
             spin = loop_cost(lp)
         # ptxas may merge identical tails of two branches: such a loop counts for each of them
-        ops = [o for o, (a, b) in branches.items() if any(a <= ln <= b for ln in lines)]
+        ops = sorted({o for ln in lines if (o := _branch_of(branches, ln)) is not None})
         for op in ops:
-            a, b = branches[op]
-            body = "\n".join(src[ln - 1] for ln in lines if a <= ln <= b)
+            body = "\n".join(src[ln - 1] for ln in lines if _branch_of(branches, ln) == op)
             kind = next((kd for key, kd in KINDS if key in body), "other")
             per_op.setdefault(op, []).append((kind, loop_cost(lp)))
     # each branch's code outside its innermost loops (set-up, loop tails, reductions after a loop,
@@ -259,12 +271,12 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
     for j, ins in enumerate(insts):
         if j in looped or Path(ins.file).name != "megakernel.py":
             continue
-        for op, (a, b) in branches.items():
-            if a <= ins.line <= b:
-                sc = straight.setdefault(op, LoopCost(0, 0, 0, 0, 1))
-                sc.instructions += 1
-                sc.barriers += ins.base == "BAR"
-                sc.local_ops += ins.base in ("LDL", "STL")
+        op_of = _branch_of(branches, ins.line)
+        if op_of is not None:
+            sc = straight.setdefault(op_of, LoopCost(0, 0, 0, 0, 1))
+            sc.instructions += 1
+            sc.barriers += ins.base == "BAR"
+            sc.local_ops += ins.base in ("LDL", "STL")
     consts = kernel_constants(plan)
     t = plan.tiles
     qkv_tile = plan.head_dim // 2 // getattr(t, "qkv_parts", 1)
@@ -283,7 +295,7 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
     return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps, spin, straight)
 
 
-def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, int],
+def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, Any],
                   context: int, weights_in_l2: bool = False) -> tuple[float, float]:
     """(seconds of the task's body, weight/KV bytes it reads from HBM). `weights_in_l2`: the task's
     weights were prefetched while it waited (its matvec loads then see L2 latency and bandwidth)."""
@@ -371,6 +383,12 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     heap = [(0.0, p) for p in range(P)]
     heapq.heapify(heap)
     timeline: list[tuple[int, int, float, float, float]] = []   # (op, layer, drawn, started, done)
+    # plan version 3: no ATTN_REDUCE rows; the split that finishes last in its group (its signal is an
+    # acq_rel count whose result it waits for: the `signal` round trip already charged) runs the merge
+    # at once (no ticket, row or poll) and then signals the row's AUX event
+    merged = not any(r[0] == int(Op.ATTN_REDUCE) for r in rows)
+    split_left = {r[6]: plan.event_counts[r[6]] for r in rows if merged and r[0] == int(Op.ATTN_SPLIT)}
+    split_last: dict[int, tuple[float, int]] = {}    # split event -> (latest done, its program)
     for r in rows:
         t_free, p = heapq.heappop(heap)
         if ahead and p in ticket_ready:
@@ -416,6 +434,26 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
         ev_time[r[6]] = max(ev_time[r[6]], done)
         heapq.heappush(heap, (done, p))
         end = max(end, done)
+        if merged and r[0] == int(Op.ATTN_SPLIT):
+            if done >= split_last.get(r[6], (-1.0, -1))[0]:
+                split_last[r[6]] = (done, p)
+            split_left[r[6]] -= 1
+            if split_left[r[6]] == 0:
+                # every split of the group is placed: the latest to finish merges. Its program cannot
+                # have taken another task yet (every split placed after it finishes later)
+                t_last, p_last = split_last[r[6]]
+                red = [int(Op.ATTN_REDUCE), r[1], r[2], r[2] + 1, r[6], 0, r[9], -1, -1, 0]
+                mbody, _ = _task_seconds(plan, code, red, bw_sm, consts, context)
+                mdone = t_last + mbody + signal
+                k = heap.index((t_last, p_last))
+                heap[k] = (mdone, p_last)
+                heapq.heapify(heap)
+                busy += mbody
+                timeline.append((int(Op.ATTN_REDUCE), r[1], t_last, t_last, mdone))
+                by_op["ATTN_REDUCE"] = by_op.get("ATTN_REDUCE", 0.0) + mbody
+                ev_count[r[9]] += 1
+                ev_time[r[9]] = max(ev_time[r[9]], mdone)
+                end = max(end, mdone)
     roof = roofline_bytes(plan, context)
     t = max(end, roof / HW.copy_bw) + HW.launch_ns * 1e-9
     return {"us": t * 1e6, "pct_roofline": 100.0 * roof / HW.copy_bw / t, "tasks": len(rows),

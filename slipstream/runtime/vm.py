@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from slipstream.kv.blocks import PagedKVCache
 from slipstream.models.llama import LlamaModel
 from slipstream.runtime.plan import (
+    AUX,
     LAYER,
     N_OFF,
     OP,
@@ -154,6 +155,7 @@ def _attn_split(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int)
 
 
 def _attn_reduce(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> None:
+    """The merge of kv head t0's splits, run by the group's last split (no plan row carries it)."""
     p = m.plan
     G, D, P = p.group, p.head_dim, p.tiles.partition
     for b, ctx in enumerate(m.context_lens.tolist()):
@@ -207,7 +209,7 @@ def _argmax(m: _Views, layer: int, t0: int, t1: int, w_off: int, n_off: int) -> 
 
 
 _EXEC: dict[Op, Callable[..., None]] = {
-    Op.EMBED: _embed, Op.QKV_ROPE: _qkv_rope, Op.ATTN_SPLIT: _attn_split, Op.ATTN_REDUCE: _attn_reduce,
+    Op.EMBED: _embed, Op.QKV_ROPE: _qkv_rope, Op.ATTN_SPLIT: _attn_split,
     Op.O_PROJ: _o_proj, Op.GATE_UP: _gate_up, Op.DOWN: _down, Op.LM_HEAD: _lm_head, Op.ARGMAX: _argmax,
 }
 
@@ -217,6 +219,8 @@ def run_plan(plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: t
              inv_freq: torch.Tensor, E: torch.Tensor | None = None) -> None:
     """Executes the plan's tasks in order over the flat buffers, checking each wait before the task runs
     (PlanError when an event has not reached its count: the plan's order is broken) and signalling after.
+    As in the kernel, the ATTN_SPLIT whose signal completes its event's count (the group's last split)
+    then merges the group (ATTN_REDUCE) and signals the row's AUX event.
     `E` defaults to fresh zeroed counters; pass a zeroed one to inspect the final counts."""
     if E is None:
         E = torch.zeros(plan.num_events, dtype=torch.int32)
@@ -228,6 +232,9 @@ def run_plan(plan: Plan, W: torch.Tensor, A: torch.Tensor, I: torch.Tensor, k: t
                             f"'{plan.event_names[r[WAIT_EV]]}' but only {counts[r[WAIT_EV]]} arrived before it")
         _EXEC[Op(r[OP])](views, r[LAYER], r[T0], r[T1], r[W_OFF], r[N_OFF])
         counts[r[SIG_EV]] += 1
+        if r[OP] == Op.ATTN_SPLIT and counts[r[SIG_EV]] == plan.event_counts[r[SIG_EV]]:
+            _attn_reduce(views, r[LAYER], r[T0], r[T0] + 1, -1, -1)
+            counts[r[AUX]] += 1
     E.copy_(torch.tensor(counts, dtype=torch.int32))
 
 

@@ -4,7 +4,9 @@ The interpreter runs programs one after another, so the kernel's tests never see
 interleave. Here a step-by-step model of `_megakernel`'s loop (ticket = atomic_add on the queue
 counter minus the epoch's base, the next one drawn as a task begins, before its wait; acquire-poll
 the wait event against count x epoch with a spin bound;
-run; release-signal; the error word: first failure wins, the others drain) is driven by a seeded
+run; release-signal, or for an attention split an acq_rel count whose result elects the group's last
+split, which then merges the group and signals the row's AUX event; the error word: first failure wins,
+the others drain) is driven by a seeded
 random scheduler: any runnable program may take the next atomic, programs start late, and a task
 may take a random time. Checked on plans from `compile_plan` at real and small shapes: no hang,
 every task exactly once per step, every producer finished before its consumer started; a dropped
@@ -20,13 +22,14 @@ import pytest
 
 from slipstream.models.random_init import shape_config
 from slipstream.runtime.megakernel import default_tiles, epoch_limit
-from slipstream.runtime.plan import SIG_EV, WAIT_COUNT, WAIT_EV, TileConfig, WeightLayout, compile_plan
+from slipstream.runtime.plan import AUX, OP, SIG_EV, WAIT_COUNT, WAIT_EV, Op, TileConfig, WeightLayout, compile_plan
 
 
 @dataclass
 class _Program:
     pid: int
-    state: str = "ticket"     # ticket -> take -> ahead -> wait -> run -> signal -> take ... -> done
+    state: str = "ticket"     # ticket -> take -> ahead -> wait -> run -> signal [-> merge -> merged] -> take
+                              # ... -> done
     task: int = -1
     pending: int = -1         # the ticket drawn ahead (`TICKET_AHEAD`): the program's next task
     spins: int = 0
@@ -54,8 +57,13 @@ class _Device:
 def run_step(rows: list[list[int]], dev: _Device, epoch: int, programs: int, rng: random.Random,
              max_spins: int = 10_000, drop_signal_of: int | None = None) -> dict:
     """One launch: interleaves the programs' atomic steps at random until all have exited.
-    Returns the execution order, start and end clock of every task and the error word."""
+    Returns the execution order, start and end clock of every task, the merges (split task -> start
+    and end clock) and the error word."""
     n = len(rows)
+    signallers: dict[int, int] = {}
+    for r in rows:
+        signallers[r[SIG_EV]] = signallers.get(r[SIG_EV], 0) + 1
+    merges: dict[int, tuple[int, int]] = {}
     base = (epoch - 1) * (n + programs)
     progs = [_Program(p, started=rng.randrange(0, 50)) for p in range(programs)]
     clock = 0
@@ -109,22 +117,41 @@ def run_step(rows: list[list[int]], dev: _Device, epoch: int, programs: int, rng
             i = p.task
             runs.append(i)
             end[i] = clock
-            if i != drop_signal_of:
-                dev.events[rows[i][SIG_EV]] += 1
             p.state = "take"
-    return {"runs": runs, "start": start, "end": end, "error": dev.error}
+            if i != drop_signal_of:
+                old = dev.events[rows[i][SIG_EV]]
+                dev.events[rows[i][SIG_EV]] += 1
+                # a split's count returns the old value: the one that completes it merges the group
+                if rows[i][OP] == Op.ATTN_SPLIT and old == signallers[rows[i][SIG_EV]] * epoch - 1:
+                    merges[i] = (clock, clock)
+                    p.state, p.work_left = "merge", rng.randrange(1, 4)
+        elif p.state == "merge":
+            p.work_left -= 1
+            if p.work_left <= 0:
+                p.state = "merged"
+        elif p.state == "merged":
+            merges[p.task] = (merges[p.task][0], clock)
+            dev.events[rows[p.task][AUX]] += 1
+            p.state = "take"
+    return {"runs": runs, "start": start, "end": end, "merges": merges, "error": dev.error}
 
 
 def _check_order(rows: list[list[int]], res: dict) -> None:
-    """Every task once; every task waiting on an event started after all its producers ended."""
+    """Every task once; every split group merged once, by one of its splits, after all of them ended;
+    every task waiting on an event started after all its producers (tasks or merges) ended."""
     assert sorted(res["runs"]) == list(range(len(rows)))
     producers: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
         producers.setdefault(r[SIG_EV], []).append(i)
+    ends = {e: [res["end"][j] for j in js] for e, js in producers.items()}
+    groups = {r[SIG_EV] for r in rows if r[OP] == Op.ATTN_SPLIT}
+    assert sorted(rows[i][SIG_EV] for i in res["merges"]) == sorted(groups), "a group merged twice or never"
+    for i, (t_start, t_end) in res["merges"].items():
+        assert t_start >= max(ends[rows[i][SIG_EV]]), f"split {i} merged before its group's splits ended"
+        ends.setdefault(rows[i][AUX], []).append(t_end)
     for i, r in enumerate(rows):
         if r[WAIT_EV] >= 0:
-            last = max(res["end"][j] for j in producers[r[WAIT_EV]])
-            assert res["start"][i] > last, f"task {i} started before its producer finished"
+            assert res["start"][i] > max(ends[r[WAIT_EV]]), f"task {i} started before its producer finished"
 
 
 def _rows(name: str, batch: int, context: int, tiles: TileConfig | None = None) -> list[list[int]]:
@@ -149,6 +176,8 @@ def test_random_interleavings_run_every_task_once_in_order(name, batch, context,
     counts: dict[int, int] = {}
     for r in rows:
         counts[r[SIG_EV]] = counts.get(r[SIG_EV], 0) + 1
+    for e in {(r[SIG_EV], r[AUX]) for r in rows if r[OP] == Op.ATTN_SPLIT}:   # one merge per split group
+        counts[e[1]] = counts.get(e[1], 0) + 1
     assert dev.events == [3 * counts.get(e, 0) for e in range(dev.num_events)]
     assert epoch_limit  # the kernel re-zeroes before (tasks + programs) * epoch leaves int32
 

@@ -12,8 +12,10 @@ from slipstream.config import ModelConfig
 from slipstream.kv.blocks import SequenceKV
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime.plan import (
+    AUX,
     LAYER,
     OP,
+    SIG_EV,
     T0,
     T1,
     WAIT_COUNT,
@@ -128,6 +130,15 @@ def _broken(kind: str) -> Plan:
     elif kind == "wrong layer":
         for i in _rows(plan, Op.DOWN, 1):
             t[i, WAIT_EV] = ev("gu_done[0]")
+    elif kind == "reduce row":   # plan version 2's ATTN_REDUCE task: the last split merges since version 3
+        at = _rows(plan, Op.O_PROJ, 1)[0]
+        red = torch.tensor([[int(Op.ATTN_REDUCE), 1, 0, 1, ev("split_done[1][0]"), plan.splits,
+                             ev("attn_done[1]"), -1, -1, 0]])
+        t = torch.cat([t[:at], red, t[at:]])
+    elif kind == "split of another group":
+        t[_rows(plan, Op.ATTN_SPLIT, 1)[plan.splits], SIG_EV] = ev("split_done[1][0]")
+    elif kind == "merge event":
+        t[_rows(plan, Op.ATTN_SPLIT, 1)[1], AUX] = ev("o_done[1]")
     return compile_like(plan, t)
 
 
@@ -140,6 +151,11 @@ def _broken(kind: str) -> Plan:
     ("missing tile", r"O_PROJ of layer 1: \[16, 32\) of \[0, 64\) is not covered"),
     ("duplicated tile", r"DOWN of layer 0: \[32, 48\) covered twice"),
     ("wrong layer", r"DOWN layer 1 \[0, 16\)\) reads act\[0:128\] before its producer task \d+ \(GATE_UP layer 1"),
+    ("reduce row", r"ATTN_REDUCE layer 1 \[0, 1\)\): no ATTN_REDUCE row since plan version 3"),
+    ("split of another group", r"ATTN_SPLIT layer 1 \[1, 0\)\) signals event 'split_done\[1\]\[0\]' of the splits "
+                               r"of layer 1 kv head 0"),
+    ("merge event", r"ATTN_SPLIT layer 1 \[0, 1\)\) signals event 'split_done\[1\]\[0\]' of the splits of layer 1 "
+                    r"kv head 0 \(merge event \d+\)"),
 ])
 def test_broken_plans_are_rejected(kind, message):
     with pytest.raises(PlanError, match=message):
@@ -185,12 +201,14 @@ def test_plan_save_load_round_trip(tmp_path):
     doc["tasks"][5][T1] += 1
     path.write_text(json.dumps(doc))
     assert Plan.load(path) != plan
-    # a plan saved before QKV tasks covered rotation pairs (format 1) is refused, not misread
-    doc["version"] = 1
-    path.write_text(json.dumps(doc))
-    assert Plan.file_version(path) == 1
-    with pytest.raises(PlanError, match="recompile"):
-        Plan.load(path)
+    # plans saved before QKV tasks covered rotation pairs (format 1) or with ATTN_REDUCE rows (format 2)
+    # are refused, not misread
+    for old in (1, 2):
+        doc["version"] = old
+        path.write_text(json.dumps(doc))
+        assert Plan.file_version(path) == old
+        with pytest.raises(PlanError, match="recompile"):
+            Plan.load(path)
 
 
 # -- weights --------------------------------------------------------------------------------------
@@ -303,7 +321,7 @@ def test_vm_checks_waits():
     i = _rows(plan, Op.O_PROJ, 1)[0]
     order = list(range(len(t)))
     order.remove(i)
-    order.insert(_rows(plan, Op.ATTN_REDUCE, 1)[0], i)   # before the reduces that signal attn_done[1]
+    order.insert(_rows(plan, Op.ATTN_SPLIT, 1)[0], i)   # before the splits (their last ones signal attn_done[1])
     with pytest.raises(PlanError, match=r"O_PROJ layer 1 .* waits for 2 signals of event 'attn_done\[1\]' "
                                         r"but only 0 arrived"):
         run_plan(compile_like(plan, t[order]), W, A, I, kv.k, kv.v, model.inv_freq)

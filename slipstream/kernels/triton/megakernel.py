@@ -17,7 +17,9 @@ ticket counter of step e starts at (e - 1) * (tasks + programs) (every program d
 ticket past the end). A wait that does not complete within `max_spins` polls sets the error word
 (1 + the task's index, unless an earlier failure set it), every other waiting program gives up as
 soon as it sees the word, and the kernel drains instead of hanging. A task costs three atomics when
-nothing fails: its ticket, one satisfied poll, its signal.
+nothing fails: its ticket, one satisfied poll, its signal. The attention splits' signal is an acq_rel
+count whose result elects the group's last split, which merges the group's partials (no reduce task,
+no poll between the phases: split-K's "last CTA finishes") and signals the next event.
 
 Opcode bodies follow `runtime/vm.py` (the torch executor and reference) exactly.
 """
@@ -52,6 +54,7 @@ C_WAIT_COUNT = tl.constexpr(_table.WAIT_COUNT)
 C_SIG_EV = tl.constexpr(_table.SIG_EV)
 C_W_OFF = tl.constexpr(_table.W_OFF)
 C_N_OFF = tl.constexpr(_table.N_OFF)
+C_AUX = tl.constexpr(_table.AUX)
 NUM_COLS = tl.constexpr(_table.NUM_COLS)
 WEIGHT_ALIGN = tl.constexpr(_table.WEIGHT_ALIGN)
 # the kernel's `if op == ...` chain ends in an unconditional ARGMAX branch
@@ -431,36 +434,47 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                         tl.store(A_ptr + PL_OFF + part, l, mask=m_mask)
                         tl.store(A_ptr + PACC_OFF + (part[:, None] - t1) * D + offs_d[None, :] * S + t1, acc,
                                  mask=m_mask[:, None])   # [B, H, D, S]: splits innermost
-                elif op == ATTN_REDUCE:   # merge the splits of kv head t0's query heads, S_BLOCK at a time
-                    # in one pass (a running max rescales what is merged so far). The partials are stored
-                    # [B, H, D, S] (splits innermost), so every operand is a [G_PAD, D, S_BLOCK] tensor of one
-                    # layout (m and l loaded at that shape, their addresses repeating along D) and the sums
-                    # over splits stay within a warp: no layout conversion, no barrier
-                    g3 = offs_g[:, None, None]
-                    d3 = offs_d[None, :, None]
-                    s3 = tl.arange(0, S_BLOCK)[None, None, :]
-                    for b in range(0, B):
-                        ctx = tl.load(I_ptr + CTX_OFF + b)
-                        n_sp = (ctx + P - 1) // P
-                        hrow3 = b * H + t0 * G + g3
-                        m_run = tl.full((G_PAD, D), -1.0e30, tl.float32)   # finite: no inf - inf
-                        num = tl.zeros((G_PAD, D), tl.float32)
-                        den = tl.zeros((G_PAD, D), tl.float32)
-                        for s0 in range(0, n_sp, S_BLOCK):
-                            gs = (g3 < G) & (d3 >= 0) & (s0 + s3 < n_sp)
-                            ms = hrow3 * S + s0 + s3 + d3 * 0
-                            m = tl.load(A_ptr + PM_OFF + ms, mask=gs, other=float("-inf"), cache_modifier=".cg")
-                            l = tl.load(A_ptr + PL_OFF + ms, mask=gs, other=0.0, cache_modifier=".cg")
-                            acc = tl.load(A_ptr + PACC_OFF + (hrow3 * D + d3) * S + s0 + s3, mask=gs, other=0.0,
-                                          cache_modifier=".cg")
-                            m_new = tl.maximum(m_run, tl.max(m, axis=2))
-                            alpha = tl.exp(m_run - m_new)
-                            w = tl.exp(m - m_new[:, :, None])
-                            num = num * alpha + tl.sum(acc * w, axis=2)
-                            den = den * alpha + tl.sum(l * w, axis=2)
-                            m_run = m_new
-                        hrow = b * H + t0 * G + offs_g
-                        tl.store(A_ptr + ATTN_OFF + hrow[:, None] * D + offs_d[None, :], num / den, mask=g_mask[:, None])
+                    tl.debug_barrier()
+                    # split-K "last CTA finishes": the acq_rel count that releases this split's partials
+                    # acquires every earlier split's; the split that completes the count (S per step)
+                    # merges its kv group (what an ATTN_REDUCE task did before plan version 3), then
+                    # signals the row's AUX event
+                    last_split = tl.atomic_add(sync_ptr + sig_ev, 1, sem="acq_rel") == S * epoch - 1
+                    if last_split:   # ATTN_REDUCE: merge the splits of kv head t0's query heads, S_BLOCK at a time
+                        tl.debug_barrier()
+                        aux_ev = tl.load(tasks_ptr + i.to(tl.int64) * NUM_COLS + C_AUX)   # loaded here: not live
+                                                                                        # across the matvecs
+                        # in one pass (a running max rescales what is merged so far). The partials are stored
+                        # [B, H, D, S] (splits innermost), so every operand is a [G_PAD, D, S_BLOCK] tensor of one
+                        # layout (m and l loaded at that shape, their addresses repeating along D) and the sums
+                        # over splits stay within a warp: no layout conversion, no barrier
+                        g3 = offs_g[:, None, None]
+                        d3 = offs_d[None, :, None]
+                        s3 = tl.arange(0, S_BLOCK)[None, None, :]
+                        for b in range(0, B):
+                            ctx = tl.load(I_ptr + CTX_OFF + b)
+                            n_sp = (ctx + P - 1) // P
+                            hrow3 = b * H + t0 * G + g3
+                            m_run = tl.full((G_PAD, D), -1.0e30, tl.float32)   # finite: no inf - inf
+                            num = tl.zeros((G_PAD, D), tl.float32)
+                            den = tl.zeros((G_PAD, D), tl.float32)
+                            for s0 in range(0, n_sp, S_BLOCK):
+                                gs = (g3 < G) & (d3 >= 0) & (s0 + s3 < n_sp)
+                                ms = hrow3 * S + s0 + s3 + d3 * 0
+                                m = tl.load(A_ptr + PM_OFF + ms, mask=gs, other=float("-inf"), cache_modifier=".cg")
+                                l = tl.load(A_ptr + PL_OFF + ms, mask=gs, other=0.0, cache_modifier=".cg")
+                                acc = tl.load(A_ptr + PACC_OFF + (hrow3 * D + d3) * S + s0 + s3, mask=gs, other=0.0,
+                                              cache_modifier=".cg")
+                                m_new = tl.maximum(m_run, tl.max(m, axis=2))
+                                alpha = tl.exp(m_run - m_new)
+                                w = tl.exp(m - m_new[:, :, None])
+                                num = num * alpha + tl.sum(acc * w, axis=2)
+                                den = den * alpha + tl.sum(l * w, axis=2)
+                                m_run = m_new
+                            hrow = b * H + t0 * G + offs_g
+                            tl.store(A_ptr + ATTN_OFF + hrow[:, None] * D + offs_d[None, :], num / den, mask=g_mask[:, None])
+                        tl.debug_barrier()
+                        tl.atomic_add(sync_ptr + aux_ev, 1, sem="release")
                 elif op == O_PROJ:   # x[:, t0:t1] += attn @ Wo[t0:t1]^T
                     acc, _ = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t0,
                                       t1 - t0, H * D, False, False, T_O, BK_O, BLOCK_B)
@@ -521,8 +535,10 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                             best = tl.where(better, cmax, best)
                         tl.store(I_ptr + NEXT_OFF + b + tl.arange(0, 1), best_i)
                 # -- signal (release) once every thread's writes are done -----------------------
-                tl.debug_barrier()
-                tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
+                op_signals = op != ATTN_SPLIT
+                if op_signals:   # (an attention split signals, and may merge, in its branch above)
+                    tl.debug_barrier()
+                    tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
                 if PROFILE:
                     tl.store(prof_ptr + i.to(tl.int64) * 3 + 2, globaltimer())
 

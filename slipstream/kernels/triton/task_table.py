@@ -11,6 +11,7 @@ from enum import IntEnum
 
 # -- the columns of one task row (int64) --------------------------------------------------------------
 OP, LAYER, T0, T1, WAIT_EV, WAIT_COUNT, SIG_EV, W_OFF, N_OFF, AUX = range(10)
+# AUX: ATTN_SPLIT: the event its group's merge (run by the last split to finish) signals; others: 0
 NUM_COLS = 10
 COLUMNS = ("OP", "LAYER", "T0", "T1", "WAIT_EV", "WAIT_COUNT", "SIG_EV", "W_OFF", "N_OFF", "AUX")
 
@@ -21,8 +22,11 @@ class Op(IntEnum):
     EMBED = 0        # x[:, T0:T1] = embed rows of the tokens
     QKV_ROPE = 1     # RMSNorm + rotation pairs [T0, T1) of one head (pair p: head p // (D/2), rows j and
                      # j + D/2 of it, j = p % (D/2)) of the fused QKV product, RoPE, q or KV-cache write
-    ATTN_SPLIT = 2   # kv head T0, split T1: unnormalised softmax partials of its G query heads
-    ATTN_REDUCE = 3  # kv head T0: merge the splits of its G query heads into attn
+    ATTN_SPLIT = 2   # kv head T0, split T1: unnormalised softmax partials of its G query heads; the split
+                     # that finishes last (its signal of SIG_EV, an acq_rel count, sees every other) then
+                     # runs the group's ATTN_REDUCE and signals event AUX
+    ATTN_REDUCE = 3  # kv head T0: merge the splits of its G query heads into attn. Since plan version 3 no
+                     # row carries it: the last ATTN_SPLIT of the group runs it (split-K "last CTA finishes")
     O_PROJ = 4       # x[:, T0:T1] += attn @ Wo[T0:T1].T
     GATE_UP = 5      # act[:, T0:T1] = silu(h @ Wg[T0:T1].T) * (h @ Wu[T0:T1].T), h = RMSNorm(x)
     DOWN = 6         # x[:, T0:T1] += act @ Wdown[T0:T1].T

@@ -72,9 +72,9 @@ class _Builder:
         return len(self.names) - 1
 
     def task(self, op: Op, layer: int, t0: int, t1: int, wait: int | None, sig: int,
-             w_off: int = -1, n_off: int = -1) -> None:
+             w_off: int = -1, n_off: int = -1, aux: int = 0) -> None:
         wait_ev, wait_count = (-1, 0) if wait is None else (wait, self.counts[wait])
-        self.rows.append([int(op), layer, t0, t1, wait_ev, wait_count, sig, w_off, n_off, 0])
+        self.rows.append([int(op), layer, t0, t1, wait_ev, wait_count, sig, w_off, n_off, aux])
 
 
 def compile_plan(cfg: ModelConfig, batch: int, max_context: int, block_size: int, layout: WeightLayout,
@@ -110,11 +110,10 @@ def compile_plan(cfg: ModelConfig, batch: int, max_context: int, block_size: int
                 for j0 in range(0, half, pairs):    # rotation pairs [j0, j0 + pairs) of the head
                     b.task(Op.QKV_ROPE, li, head * half + j0, head * half + j0 + pairs, ready, qkv_done[g],
                            w["qkv"], w["attn_norm"])
+        # the group's ATTN_REDUCE is run by its last split to finish, which then signals attn_done (AUX)
         for g in range(KVH):
             for s in range(S):
-                b.task(Op.ATTN_SPLIT, li, g, s, qkv_done[g], split_done[g])
-        for g in range(KVH):
-            b.task(Op.ATTN_REDUCE, li, g, g + 1, split_done[g], attn_done)
+                b.task(Op.ATTN_SPLIT, li, g, s, qkv_done[g], split_done[g], aux=attn_done)
         for lo, hi in o_tiles:
             b.task(Op.O_PROJ, li, lo, hi, attn_done, o_done, w["o"])
         for lo, hi in gu_tiles:

@@ -44,8 +44,10 @@ from slipstream.kernels.triton.task_table import (
     Op,
 )
 
-PLAN_VERSION = 2
-"""Saved plans' format version. 2: QKV_ROPE tasks cover rotation pairs [T0, T1) of one head (1: a head)."""
+PLAN_VERSION = 3
+"""Saved plans' format version. 3: no ATTN_REDUCE rows, the last ATTN_SPLIT of each kv group to finish
+merges the group and signals event AUX (2: ATTN_REDUCE tasks; QKV_ROPE tasks cover rotation pairs
+[T0, T1) of one head since 2, 1: a head)."""
 
 
 class PlanError(ValueError):

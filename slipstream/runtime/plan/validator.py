@@ -29,7 +29,18 @@ from slipstream.runtime.plan.format import (
     PlanError,
     cdiv,
 )
-from slipstream.runtime.plan.format import task_text as _task_text
+from slipstream.runtime.plan.format import task_text as _row_text
+
+
+def _task_text(i: int, r: list[int]) -> str:
+    """A row's text for messages. Rows of `_with_merges` carry their table index (a merge: the index
+    of the split row it follows) and whether they are a merge run by the last split of a group."""
+    if len(r) > NUM_COLS:
+        if r[NUM_COLS + 1]:
+            return (f"the merge (ATTN_REDUCE layer {r[LAYER]} [{r[T0]}, {r[T1]})) run by the last split "
+                    f"of the group ending at task {r[NUM_COLS]}")
+        i = r[NUM_COLS]
+    return _row_text(i, r[:NUM_COLS])
 
 
 def validate(plan: Plan) -> None:
@@ -43,9 +54,45 @@ def validate(plan: Plan) -> None:
     rows = plan.tasks.tolist()
     for i, r in enumerate(rows):
         _check_row(plan, i, r)
-    _check_coverage(plan, rows)
-    _check_events(plan, rows)
-    _check_data_flow(plan, rows)
+    flow = _with_merges(plan, rows)
+    _check_coverage(plan, flow)
+    _check_events(plan, flow)
+    _check_data_flow(plan, flow)
+
+
+def _with_merges(plan: Plan, rows: list[list[int]]) -> list[list[int]]:
+    """The rows with each kv group's merge (an ATTN_REDUCE row, run at run time by whichever of the
+    group's splits finishes last) placed after the group's last split in the order: it waits for all
+    of the group's splits (their event, whose count is the plan's splits) and signals the splits' AUX
+    event. Each row gets two more columns: its table index, and 1 for a merge. Raises PlanError when a
+    split event is signalled by anything but the splits of one (layer, kv head) with one AUX event."""
+    signallers: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        signallers.setdefault(r[SIG_EV], []).append(i)
+    merge_after: dict[int, list[int]] = {}
+    for e, idx in signallers.items():
+        splits = [i for i in idx if rows[i][OP] == Op.ATTN_SPLIT]
+        if not splits:
+            continue
+        first = rows[splits[0]]
+        for i in idx:
+            r = rows[i]
+            if (r[OP], r[LAYER], r[T0], r[AUX]) != (Op.ATTN_SPLIT, first[LAYER], first[T0], first[AUX]):
+                raise PlanError(f"{_task_text(i, r)} signals event '{plan.event_names[e]}' of the splits of layer "
+                                f"{first[LAYER]} kv head {first[T0]} (merge event {first[AUX]}): the last split "
+                                f"to finish merges one group, so only that group's splits may signal it")
+        if len(idx) != plan.splits or plan.event_counts[e] != plan.splits:
+            raise PlanError(f"event {e} '{plan.event_names[e]}' of the splits of layer {first[LAYER]} kv head "
+                            f"{first[T0]}: {len(idx)} splits signal it, its count is {plan.event_counts[e]}; the "
+                            f"kernel elects the merging split at count {plan.splits} (the plan's splits)")
+        merge_after[idx[-1]] = [int(Op.ATTN_REDUCE), first[LAYER], first[T0], first[T0] + 1, e, plan.splits,
+                                first[AUX], -1, -1, 0, idx[-1], 1]
+    out: list[list[int]] = []
+    for i, r in enumerate(rows):
+        out.append([*r, i, 0])
+        if i in merge_after:
+            out.append(merge_after[i])
+    return out
 
 
 def _check_metadata(plan: Plan) -> None:
@@ -94,8 +141,8 @@ def _check_row(plan: Plan, i: int, r: list[int]) -> None:
             raise fail(f"kv head / split out of range ({hi} kv heads, {plan.splits} splits)")
     elif not 0 <= r[T0] < r[T1] <= hi:
         raise fail(f"empty or out-of-range tile (bound {hi})")
-    if op == Op.ATTN_REDUCE and r[T1] != r[T0] + 1:
-        raise fail("a head task covers exactly one head")
+    if op == Op.ATTN_REDUCE:
+        raise fail("no ATTN_REDUCE row since plan version 3: the last ATTN_SPLIT of a group to finish merges it")
     half = plan.head_dim // 2
     if op == Op.QKV_ROPE and (r[T0] // half != (r[T1] - 1) // half or r[T1] - r[T0] != half // plan.tiles.qkv_parts):
         raise fail(f"a QKV task covers {half // plan.tiles.qkv_parts} rotation pairs of one head")
@@ -110,8 +157,11 @@ def _check_row(plan: Plan, i: int, r: list[int]) -> None:
     if (r[W_OFF], r[N_OFF]) != _expected_offsets(plan, op, r[LAYER]):
         raise fail(f"weight offsets {(r[W_OFF], r[N_OFF])} do not match the weight layout "
                    f"{_expected_offsets(plan, op, r[LAYER])}")
-    if r[AUX] != 0:
-        raise fail("AUX is reserved and must be 0")
+    if op == Op.ATTN_SPLIT:
+        if not 0 <= r[AUX] < n_ev:
+            raise fail(f"AUX (the event its group's merge signals) {r[AUX]} out of range [0, {n_ev})")
+    elif r[AUX] != 0:
+        raise fail("AUX is 0 except in ATTN_SPLIT rows")
 
 
 def _coverage_key(plan: Plan, r: list[int]) -> tuple[tuple, int, int]:
