@@ -140,6 +140,10 @@ AI __m256 ss_kv_load8(const char *row, int d, int f16) {
     return _mm256_loadu_ps((const float *)row + d);
 }
 
+#ifndef SS_PREFETCH
+#define SS_PREFETCH 8   // cache rows ahead that attention asks for
+#endif
+
 // scores of HB query heads (q, D apart; HB <= 3) against four keys, D % 8 == 0: 4 HB accumulators, each key
 // vector loaded (and widened) once for all the heads
 AI void ss_scores_hx4(const float *q, const int HB, const char *const k[4], int D, const int f16, __m128 *s) {
@@ -164,6 +168,10 @@ AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache
         for (int t = 0; t < W; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
         const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+        if (i + SS_PREFETCH < n) {   // the row SS_PREFETCH ahead: the cache's rows are scattered over slots
+            const char *ahead = SS_KV_ROW(vcache, f16, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * (f16 ? 2 : 4);
+            for (int o = 0; o < 8 * W * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
         __m256 vv[4];
         for (int t = 0; t < W; t++) vv[t] = ss_kv_load8(v, d0 + 8 * t, f16);
         for (int h = 0; h < HB; h++) {
@@ -186,6 +194,10 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
     for (; j + 4 <= n; j += 4) {
         const char *k[4];
         for (int t = 0; t < 4; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
+        for (int t = 0; t < 4 && j + SS_PREFETCH + t < n; t++) {   // the keys SS_PREFETCH rows ahead
+            const char *ahead = SS_KV_ROW(kcache, f16, slots[j + SS_PREFETCH + t], KVH, kvh, D);
+            for (int o = 0; o < D * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
         for (int h = 0; h < nh; h += 3) {   // the heads three at a time (a group of 4: 3 + 1)
             __m128 sv[3];
             const int hb = nh - h < 3 ? nh - h : 3;
