@@ -222,6 +222,20 @@ class MegakernelCode:
     warps: int
     spin: LoopCost | None = None    # the wait's spin loop (with PREFETCH=1 it also reads an O-tile chunk)
     straight: dict[int, LoopCost] | None = None   # opcode -> its branch's code outside innermost loops
+    # ... of which the part inside a loop over batch rows (`for b in range(0, B)`: attention, argmax)
+    straight_rows: dict[int, LoopCost] | None = None
+
+
+def _row_loop_lines(src: list[str]) -> set[int]:
+    """Source lines inside `_megakernel`'s loops over batch rows (`for b in range(...)`): their code
+    outside innermost loops runs once per row, the rest of a branch once per task."""
+    tree = ast.parse("\n".join(src))
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_megakernel")
+    out: set[int] = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "b":
+            out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return out
 
 
 def _spin_lines(src: list[str]) -> set[int]:
@@ -268,12 +282,14 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
         if lp.innermost:
             looped.update(range(lp.start, lp.end + 1))
     straight: dict[int, LoopCost] = {}
+    straight_rows: dict[int, LoopCost] = {}
+    row_lines = _row_loop_lines(src)
     for j, ins in enumerate(insts):
         if j in looped or Path(ins.file).name != "megakernel.py":
             continue
         op_of = _branch_of(branches, ins.line)
         if op_of is not None:
-            sc = straight.setdefault(op_of, LoopCost(0, 0, 0, 0, 1))
+            sc = (straight_rows if ins.line in row_lines else straight).setdefault(op_of, LoopCost(0, 0, 0, 0, 1))
             sc.instructions += 1
             sc.barriers += ins.base == "BAR"
             sc.local_ops += ins.base in ("LDL", "STL")
@@ -292,7 +308,7 @@ def megakernel_code(plan, num_warps: int = 8, prefetch: int = 0) -> MegakernelCo
             if twin is None:
                 raise RuntimeError(f"no matvec loop found for opcode {op} in the compiled megakernel")
             per_op.setdefault(op, []).extend((kd, lc) for kd, lc in per_op[twin] if kd == "mv")
-    return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps, spin, straight)
+    return MegakernelCode(per_op, use.get("reg", 0), use.get("stack", 0), num_warps, spin, straight, straight_rows)
 
 
 def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts: dict[str, Any],
@@ -315,8 +331,11 @@ def _task_seconds(plan, code: MegakernelCode, r: list[int], bw_sm: float, consts
     k_of = {Op.QKV_ROPE: Hd, Op.O_PROJ: plan.num_heads * D, Op.GATE_UP: Hd, Op.DOWN: F, Op.LM_HEAD: Hd}
     mv_loops = [lc for kd, lc in loops if kd == "mv"]
     if code.straight and op in code.straight:
-        per_row = op in (Op.ATTN_SPLIT, Op.ATTN_REDUCE, Op.ARGMAX)
+        # (a tree without `straight_rows`: the attention and argmax branches charged per row throughout)
+        per_row = code.straight_rows is None and op in (Op.ATTN_SPLIT, Op.ATTN_REDUCE, Op.ARGMAX)
         total += (B if per_row else 1) * code.straight[op].seconds(warps, 0, bw_sm, 0.0)
+    if code.straight_rows and op in code.straight_rows:
+        total += B * code.straight_rows[op].seconds(warps, 0, bw_sm, 0.0)
     for kind, lc in loops:
         if kind == "rstd":
             it = math.ceil(Hd / lc_block(consts, "rstd"))

@@ -164,8 +164,11 @@ def kernel_constants(p: Plan, block_k: int | None = None,
             return max(16, min(MV_ROWS_ELEMENTS // _pow2(tile), 128, _pow2(k)))   # per thread (8 bf16)
         budget = ACC_ELEMENTS // (2 if two else 1)    # two matrices (gate/up, RoPE halves): two accumulators
         return max(MIN_BK, min(budget // (B * _pow2(tile)), 512, _pow2(k)))
+    # the attention merge (in the split's branch since plan version 3) reads half as many splits per step
+    # beside the 256-wide K-chunks, the register peak (dense-1B b4: 16 spills 120 bytes with Triton 3.6)
+    narrow = B >= 4 and DOT_TILES and DOT_BK_NARROW in (bk(t.o, HD), bk(t.down, F)) and not block_k
     return dict(H=p.num_heads, KVH=p.num_kv_heads, D=p.head_dim, G_PAD=_pow2(p.num_heads // p.num_kv_heads),
-                S_BLOCK=min(max(_pow2(p.splits), 2), MERGE_SPLITS if B <= 2 else MERGE_SPLITS // 2),
+                S_BLOCK=min(max(_pow2(p.splits), 2), MERGE_SPLITS // 2 if narrow else MERGE_SPLITS),
                 P=t.partition, BLOCK_SIZE=p.block_size,
                 BLOCK_B=B, BLOCK_K=block_k or (128 if p.batch <= 2 else 64), BLOCK_T=min(_pow2(t.partition), 64),
                 T_EMBED=_pow2(t.embed), T_O=_pow2(t.o), T_GU=_pow2(t.gate_up), T_DOWN=_pow2(t.down),
@@ -192,9 +195,7 @@ DOT_TILES = bool(_kernel.DOT_TILES.value)   # batch 4-8: matvecs on tensor cores
 DOT_BK = 64     # its K-chunk (128 spills 120 bytes at dense-1B batch 8 with Triton 3.9, 160 with 3.6) ...
 DOT_BK_NARROW = 256   # ... and for 16-row one-matrix tiles (Triton 3.6 spill <= 56 bytes where used)
 PF_ELEMENTS = 8192   # weight elements per prefetch chunk: one HBM round trip per spin moves 16 KB
-MERGE_SPLITS = 16   # splits the attention merge reads per step at batch 1-2; half at batch 4-8, where the
-                    # merge runs inside the split's branch (plan version 3) beside the batch loop: 16 spills
-                    # 120 bytes at dense-1B batch 4 with Triton 3.6, 8 spills 40 (cuobjdump -res-usage)
+MERGE_SPLITS = 16   # splits the attention merge reads per step (half beside 256-wide K-chunks: see below)
 MIN_BK = 64   # 8 bf16 per thread along K: what lets the loads be 16 bytes wide
 
 
