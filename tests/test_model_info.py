@@ -80,15 +80,15 @@ def _write_family(family: str, path: Path) -> None:
 
 @pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen2moe", "qwen3moe"])
 def test_inspect_each_family(tmp_path: Path, family: str):
-    """inspect describes the file and which runtime runs it (the native CPU step for the dense families,
-    eager for the MoE ones), with each other runtime's reason."""
+    """inspect describes the file and which runtime runs it (the native CPU step, MoE families included),
+    with each other runtime's reason."""
     from slipstream.model_info import inspect_model, render
     path = tmp_path / f"{family}.gguf"
     _write_family(family, path)
     r = inspect_model(path)
     assert r.format == "gguf" and r.architecture == family and r.parameters > 0
     assert r.runtimes["eager"] == "ok" and set(r.runtimes) >= {"eager", "native", "graph", "megakernel"}
-    picked = "eager" if family.endswith("moe") else "native"
+    picked = "native"
     assert r.runtime == picked and r.runtimes[picked] == "ok"
     assert all(r.runtimes[n] != "ok" for n in ("native", "graph", "megakernel") if n != picked)
     if family.endswith("moe"):
@@ -103,4 +103,4 @@ def test_inspect_cli_on_a_family_file(tmp_path: Path):
     proc = inspect(str(path), "--json")
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
-    assert r["architecture"] == "qwen3moe" and r["runtime"] == "eager"
+    assert r["architecture"] == "qwen3moe" and r["runtime"] == "native"

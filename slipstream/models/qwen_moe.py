@@ -8,8 +8,7 @@ Rows are grouped by expert so that each chosen expert's weights are read once pe
 `models.deepseek.DeepseekModel._moe` does, over `Linear`s here so that GGUF experts stay packed).
 Not a `LlamaModel`: the graph and megakernel runtimes refuse it (they have no MoE step). The native CPU
 step computes it (`runtime/cpu_plan.py`: ROUTE, EXPERT_GU over the step's active experts, SHARED_GU,
-MOE_DOWN; tests/runtime/test_cpu_moe.py) when a `CpuTeamDecoder` is built for it directly; the registry
-still sends it to the eager step (`CpuTeamDecoder.moe_by_default`).
+MOE_DOWN; tests/runtime/test_cpu_moe.py), and `auto` picks it on the CPU.
 """
 from __future__ import annotations
 

@@ -198,9 +198,9 @@ class CpuTeamDecoder:
                    int(bool(c.norm_topk_prob)), 0)
         return st, gu, dn
 
-    # Qwen2/3-MoE models run here when a decoder is built for them directly (tests/runtime/test_cpu_moe.py);
-    # the registry (`auto`, `--runtime native`) still sends them to the eager step until this is switched on
-    moe_by_default = False
+    # Qwen2/3-MoE models run here (ROUTE, EXPERT_GU, SHARED_GU, MOE_DOWN tasks); False sends them to the
+    # eager step instead (`auto` then picks eager)
+    moe_by_default = True
 
     @classmethod
     def unsupported(cls, model: Any, moe: bool | None = None) -> str | None:
@@ -209,7 +209,7 @@ class CpuTeamDecoder:
         from slipstream.models.llama import LlamaModel
         from slipstream.models.qwen_moe import QwenMoeModel
         if isinstance(model, QwenMoeModel) and not (cls.moe_by_default if moe is None else moe):
-            return "the native runtime does not compute mixture-of-experts layers (by default); the eager runtime does"
+            return "the native runtime's mixture-of-experts step is switched off; the eager runtime runs it"
         if not isinstance(model, (LlamaModel, QwenMoeModel)):
             return "the native runtime runs the Llama family (Llama, Mistral, Qwen2/3, SmolLM2)"
         if load_library() is None:

@@ -119,10 +119,11 @@ def test_config_and_layers(pair):
     assert "mixture-of-experts" in (c.eager_only() or "")
 
 
-def test_runtimes_refuse_it(pair):
+def test_gpu_runtimes_refuse_it_and_native_runs_it(pair):
     _, m = pair
-    assert registry.resolve_runtime("auto", m) == "eager"
-    for name in ("native", "graph", "megakernel"):
+    assert registry.resolve_runtime("auto", m) == "native"
+    assert registry.unsupported("native", m) is None   # tested against transformers in tests/runtime/test_cpu_moe.py
+    for name in ("graph", "megakernel"):
         assert registry.unsupported(name, m) is not None
 
 

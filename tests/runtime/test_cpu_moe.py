@@ -108,23 +108,22 @@ def test_moe_plans_validate():
         cpu_plan.validate(broken, shape, 3)
 
 
-def test_registry_keeps_moe_on_eager_by_default(pair):
+def test_registry_picks_native_for_moe_unless_switched_off(pair):
     from slipstream.runtime import registry
     _, model = pair
-    assert registry.resolve_runtime("auto", model) == "eager"
-    assert CpuTeamDecoder.unsupported(model, moe=True) is None
+    assert registry.resolve_runtime("auto", model) == "native"
+    assert "switched off" in (CpuTeamDecoder.unsupported(model, moe=False) or "")
 
 
 @pytest.mark.parametrize("family", ["qwen2moe", "qwen3moe"])
-def test_engine_on_native_moe_matches_transformers(tmp_path, monkeypatch, family):
-    """With native MoE switched on (`moe_by_default`), the whole engine (LLM.generate: prompts prefilled as
+def test_engine_on_native_moe_matches_transformers(tmp_path, family):
+    """With native MoE (the default), the whole engine (LLM.generate: prompts prefilled as
     native prompt chunks, two sequences decoded together, an fp32 KV cache on the exact path) gives
     transformers' greedy tokens; the fast path (fp16 KV) runs too."""
     from support import gguf_tokenizer
 
     from slipstream import LLM, SamplingParams
     from tests.models.test_qwen_moe import hf_moe, write_gguf
-    monkeypatch.setattr(CpuTeamDecoder, "moe_by_default", True)
     Q = gguf.GGMLQuantizationType
     path = tmp_path / f"{family}.gguf"
     hf = hf_moe(family, seed=11)
