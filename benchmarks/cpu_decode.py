@@ -418,8 +418,9 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
                "--model", str(args.model), "--prompt-ids-file", str(ids_file),
                "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
                "--batch", str(args.batch)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-                   HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+        from slipstream import peer_environ   # llama.cpp gets the user's OpenMP wait policy, not ours
+        env = dict(os.environ if engine.startswith("slipstream") else peer_environ(), OMP_NUM_THREADS=str(args.threads),
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
         if args.march and engine.startswith("slipstream"):
             env["SLIPSTREAM_MARCH"] = args.march     # e.g. x86-64-v3: the AVX2 build on an AVX-512 machine
         if args.llama_path and engine == "llama.cpp":

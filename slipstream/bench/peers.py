@@ -32,6 +32,7 @@ from typing import Sequence
 
 import httpx
 
+from slipstream import peer_environ
 from slipstream.errors import SlipstreamError
 
 PEERS = ("llama.cpp",)
@@ -94,7 +95,7 @@ class ManagedServer:
         log = open(self.log_path, "wb")
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **(self.env or {})}, start_new_session=True)
+                                         env={**peer_environ(), **(self.env or {})}, start_new_session=True)
         except OSError as e:
             log.close()
             raise BenchError(f"could not start {self.name}: {e}") from None
