@@ -52,23 +52,6 @@ static inline uint16_t ss_f32_to_half(float f) {
     return (uint16_t)(sign | r);
 }
 
-static inline float ss_half_to_f32(uint16_t h) {
-    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t bits;
-    float f;
-    if (e == 0) {
-        f = (float)m * 0x1p-24f;
-        memcpy(&bits, &f, 4);
-        bits |= s;
-    } else if (e == 31) {
-        bits = s | 0x7f800000u | (m << 13);
-    } else {
-        bits = s | ((e + 112) << 23) | (m << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 // n floats -> fp16 (a K or V row stored into the cache)
 static inline void ss_store_half_row(const float *f, uint16_t *h, int n) {
     int i = 0;
@@ -79,17 +62,6 @@ static inline void ss_store_half_row(const float *f, uint16_t *h, int n) {
     for (; i + 4 <= n; i += 4) vst1_u16(h + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(f + i))));
 #endif
     for (; i < n; i++) h[i] = ss_f32_to_half(f[i]);
-}
-
-// n fp16 -> floats
-static inline void ss_load_half_row(const uint16_t *h, float *f, int n) {
-    int i = 0;
-#if defined(SS_F16C)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#elif defined(SS_NEON)
-    for (; i + 4 <= n; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
-#endif
-    for (; i < n; i++) f[i] = ss_half_to_f32(h[i]);
 }
 
 // a token's row of KV head kvh in a cache of [slots][KVH][D] fp32 or fp16 elements
@@ -109,7 +81,7 @@ static inline void ss_kv_store(void *cache, int f16, int64_t slot, int KVH, int 
 static inline void ss_attend(const float *q, const void *kcache, const void *vcache, int f16, int KVH, int kvh,
                              int D, const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out) {
     float row[f16 ? D : 1];
-#define SS_ROW(cache, j) (f16 ? (ss_load_half_row((const uint16_t *)SS_KV_ROW(cache, 1, slots[j], KVH, kvh, D), row, D), \
+#define SS_ROW(cache, j) (f16 ? (ss_f16_row((const uint16_t *)SS_KV_ROW(cache, 1, slots[j], KVH, kvh, D), row, D), \
                                  (const float *)row)                                                              \
                               : (const float *)SS_KV_ROW(cache, 0, slots[j], KVH, kvh, D))
     float mx = -INFINITY;

@@ -61,35 +61,11 @@ static inline int qt_has_min(int t) {
 static inline float qt_f16(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
 #if defined(__F16C__)
-    return _cvtsh_ss(h);   // one instruction (the branchy version below costs ~10 cycles a block)
+    return _cvtsh_ss(h);   // one instruction (the portable ss_half_to_f32 costs ~10 cycles a block)
 #elif defined(SS_NEON)
     return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
 #endif
-    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
-    uint32_t bits;
-    float f;
-    if (e == 0) {
-        f = (float)m * 0x1p-24f;
-        memcpy(&bits, &f, 4);
-        bits |= s;
-    } else if (e == 31) {
-        bits = s | 0x7f800000u | (m << 13);
-    } else {
-        bits = s | ((e + 112) << 23) | (m << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-// n fp16 values -> fp32 (the q4/q8 layouts' scales when stored in half precision)
-static inline void ss_f16_row(const uint16_t *h, float *f, int n) {
-    int i = 0;
-#if defined(SS_AVX2)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-#elif defined(SS_NEON)
-    for (; i + 4 <= n; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
-#endif
-    for (; i < n; i++) f[i] = qt_f16((const uint8_t *)(h + i));
+    return ss_half_to_f32(h);
 }
 
 static inline float qt_bf16(const uint8_t *p) {

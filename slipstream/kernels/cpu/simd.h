@@ -98,6 +98,35 @@ AI __m128i ss_sum4(const __m256i p[4]) {
 }
 #endif
 
+// IEEE half -> float, exactly (subnormals included), in plain C (no F16C or NEON needed)
+AI float ss_half_to_f32(uint16_t h) {
+    const uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= s;
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+// n fp16 values -> fp32 (fp16 KV-cache rows; the q4/q8 layouts' scales when stored in half precision)
+AI void ss_f16_row(const uint16_t *h, float *f, int n) {
+    int i = 0;
+#if defined(SS_AVX2) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#elif defined(SS_NEON)
+    for (; i + 4 <= n; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+#endif
+    for (; i < n; i++) f[i] = ss_half_to_f32(h[i]);
+}
+
 // sum a[i] * b[i]
 AI float ss_dot(const float *a, const float *b, int n) {
     int i = 0;
