@@ -45,21 +45,28 @@ def test_rope_store(T: int, H: int, KVH: int, D: int, qk_norm: bool):
     torch.testing.assert_close(vc, vc_ref)
 
 
-@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32),
-                                                   ([5, 67], 8, 2, 80), ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256)])
-def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
-    g = torch.Generator().manual_seed(sum(lengths))
-    S, total = len(lengths), sum(lengths) + 50
+def _paged_case(lengths: list[int], H: int, KVH: int, D: int, g: torch.Generator):
+    """A random decode-attention case: K and V caches [slots, KVH, D], each sequence's context at
+    scattered slots (like a paged cache), fused qkv rows; -> (kc, vc, seq_slots, slots, starts, qkv, row)."""
+    total = sum(lengths) + 50
     kc, vc = torch.randn(total, KVH, D, generator=g), torch.randn(total, KVH, D, generator=g)
-    perm = torch.randperm(total, generator=g)          # scattered slots, like a paged cache
+    perm = torch.randperm(total, generator=g)
     seq_slots, start = [], 0
     for n in lengths:
         seq_slots.append(perm[start:start + n].clone())
         start += n
-    slots = torch.cat(seq_slots)
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     row = (H + 2 * KVH) * D                             # q rows sit inside fused qkv rows
-    qkv = torch.randn(S, row, generator=g)
+    qkv = torch.randn(len(lengths), row, generator=g)
+    return kc, vc, seq_slots, torch.cat(seq_slots), starts, qkv, row
+
+
+@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32),
+                                                   ([5, 67], 8, 2, 80), ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256)])
+def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
+    S = len(lengths)
+    kc, vc, seq_slots, slots, starts, qkv, row = _paged_case(lengths, H, KVH, D,
+                                                             torch.Generator().manual_seed(sum(lengths)))
     out = torch.empty(S, H * D)
     scale = D ** -0.5
     lib.attn_decode(qkv.data_ptr(), row, S, H, KVH, D, slots.data_ptr(), starts.data_ptr(),
@@ -75,19 +82,10 @@ def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int):
     give the reference's result over the same fp16 values to fp32 rounding (rtol 1e-4, atol 1e-5), and
     the fp32-cache result to within the cache's rounding (half precision: 2^-11 relative per element;
     the outputs here, weighted means of N(0, 1) values, within 2e-3)."""
-    g = torch.Generator().manual_seed(sum(lengths) + D)
-    S, total = len(lengths), sum(lengths) + 50
-    kc, vc = torch.randn(total, KVH, D, generator=g), torch.randn(total, KVH, D, generator=g)
+    S = len(lengths)
+    kc, vc, seq_slots, slots, starts, qkv, row = _paged_case(lengths, H, KVH, D,
+                                                             torch.Generator().manual_seed(sum(lengths) + D))
     kh, vh = kc.half(), vc.half()
-    perm = torch.randperm(total, generator=g)
-    seq_slots, start = [], 0
-    for n in lengths:
-        seq_slots.append(perm[start:start + n].clone())
-        start += n
-    slots = torch.cat(seq_slots)
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    row = (H + 2 * KVH) * D
-    qkv = torch.randn(S, row, generator=g)
     out = torch.empty(S, H * D)
     scale = D ** -0.5
     vp, i32 = ctypes.c_void_p, ctypes.c_int

@@ -22,24 +22,9 @@ from slipstream.models.qwen_moe import QwenMoeModel  # noqa: E402
 from slipstream.runtime import cpu_plan  # noqa: E402
 from slipstream.runtime.cpu_team import CpuTeamDecoder  # noqa: E402
 from slipstream.step import StepBuilder  # noqa: E402
+from tests.models.test_qwen_moe import VOCAB, hf_moe, write_gguf  # noqa: E402  (one tiny config, one converter)
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
-
-VOCAB, E, TOPK, FE, FS = 96, 8, 2, 32, 64
-BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6,
-            num_experts=E, num_experts_per_tok=TOPK, moe_intermediate_size=FE, mlp_only_layers=[1],
-            tie_word_embeddings=False)
-
-
-def _hf(family: str, seed: int = 3) -> torch.nn.Module:
-    from support import random_hf_model
-    if family == "qwen2moe":
-        config = transformers.Qwen2MoeConfig(**BASE, shared_expert_intermediate_size=FS, norm_topk_prob=False)
-        return random_hf_model(transformers.Qwen2MoeForCausalLM, config, seed, bias=0.1)
-    config = transformers.Qwen3MoeConfig(**BASE, norm_topk_prob=True)
-    return random_hf_model(transformers.Qwen3MoeForCausalLM, config, seed, bias=0.1)
-
 
 CASES = [(f, fmt) for f in ("qwen2moe", "qwen3moe") for fmt in ("hf", "gguf")]
 
@@ -47,10 +32,9 @@ CASES = [(f, fmt) for f in ("qwen2moe", "qwen3moe") for fmt in ("hf", "gguf")]
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def pair(request, tmp_path_factory) -> tuple[torch.nn.Module, QwenMoeModel]:
     family, fmt = request.param
-    hf = _hf(family)
+    hf = hf_moe(family, seed=3)
 
     def write(path):
-        from tests.models.test_qwen_moe import write_gguf  # the converter's layout, written once there
         Q = gguf.GGMLQuantizationType
         quant = {"token_embd": Q.Q8_0, "attn_q": Q.Q5_0, "ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0,
                  "ffn_down_exps": Q.Q5_1, "ffn_down_shexp": Q.Q8_0, "ffn_up": Q.Q8_0}
@@ -123,7 +107,6 @@ def test_engine_on_native_moe_matches_transformers(tmp_path, family):
     from support import gguf_tokenizer
 
     from slipstream import LLM, SamplingParams
-    from tests.models.test_qwen_moe import hf_moe, write_gguf
     Q = gguf.GGMLQuantizationType
     path = tmp_path / f"{family}.gguf"
     hf = hf_moe(family, seed=11)
