@@ -394,6 +394,11 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     # only while it is still in flight, then pay the row load and the poll
     ahead = bool(consts.get("TICKET_AHEAD", 0))
     ticket_ready: dict[int, float] = {}
+    # `ROW_AHEAD`: the next task's row is loaded just before a task's signal (once its ticket is in),
+    # so the row's L2 trip overlaps the signal's round trip; an attention split that does not merge
+    # loads it after its (already sent) signal, as before
+    row_ahead = ahead and bool(consts.get("ROW_AHEAD", 0))
+    row_ready: dict[int, float] = {}
     signal = HW.atomic_ns * 1e-9
     busy = 0.0
     end = 0.0
@@ -410,7 +415,9 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
     split_last: dict[int, tuple[float, int]] = {}    # split event -> (latest done, its program)
     for r in rows:
         t_free, p = heapq.heappop(heap)
-        if ahead and p in ticket_ready:
+        if row_ahead and p in row_ready:
+            row_at = max(t_free, row_ready[p])
+        elif ahead and p in ticket_ready:
             row_at = max(t_free, ticket_ready[p]) + HW.l2_ns * 1e-9
         else:
             row_at = t_free + (HW.atomic_ns + HW.l2_ns) * 1e-9
@@ -446,6 +453,9 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
         if pf_frac:
             body = pf_frac * _task_seconds(plan, code, r, bw_sm, consts, context, True)[0] + (1 - pf_frac) * body
         done = start + body + signal
+        if row_ahead:   # issued when the signal begins (a split that does not merge: after its signal)
+            sig_at = done if r[0] == int(Op.ATTN_SPLIT) else done - signal
+            row_ready[p] = max(sig_at, ticket_ready[p]) + HW.l2_ns * 1e-9
         busy += body
         timeline.append((r[0], r[1], t_free, start, done))
         by_op[Op(r[0]).name] = by_op.get(Op(r[0]).name, 0.0) + body
@@ -464,6 +474,8 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
                 red = [int(Op.ATTN_REDUCE), r[1], r[2], r[2] + 1, r[6], 0, r[9], -1, -1, 0]
                 mbody, _ = _task_seconds(plan, code, red, bw_sm, consts, context)
                 mdone = t_last + mbody + signal
+                if row_ahead:   # the merge loads its program's next row before its signal
+                    row_ready[p_last] = max(mdone - signal, ticket_ready[p_last]) + HW.l2_ns * 1e-9
                 k = heap.index((t_last, p_last))
                 heap[k] = (mdone, p_last)
                 heapq.heapify(heap)

@@ -185,6 +185,8 @@ def kernel_constants(p: Plan, block_k: int | None = None,
                 # register takes the kernel's spill stack from 48 to 80 bytes with Triton 3.6 (cuobjdump;
                 # at hidden 4096 it fits since ATTN_SPLIT runs on tensor cores: 32 bytes at batch 1 and 4)
                 TICKET_AHEAD=int(p.batch < 8),
+                # ... and the next task's row loaded before this task's signal (needs the ticket in hand)
+                ROW_AHEAD=int(p.batch < 8),
                 # float32 KV (the CPU/interpreter tests): exact products; 16-bit KV: the input precision
                 DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32")
 

@@ -245,6 +245,21 @@ def _prefetch_weights(w_base, op, t0, t1, Hd, F, error_ptr, HD: tl.constexpr, D:
     tl.store(error_ptr + tl.arange(0, 1), tl.full((1,), -2, tl.int32), mask=hit)
 
 
+@triton.jit
+def _task_row(tasks_ptr, i, num_tasks):
+    """Task i's row (op, layer, t0, t1, wait event, wait count, signal event, weight and norm offsets in
+    units of WEIGHT_ALIGN: a value carried through the task loop loses `tl.multiple_of`, a product with
+    the constant keeps the alignment that lets the weight loads be 16 bytes wide); zeros past the
+    table's end or for a negative ticket (the loop then stops before using them)."""
+    row = tasks_ptr + i.to(tl.int64) * NUM_COLS
+    ok = (i >= 0) & (i < num_tasks)
+    return (tl.load(row + C_OP, mask=ok, other=0), tl.load(row + C_LAYER, mask=ok, other=0),
+            tl.load(row + C_T0, mask=ok, other=0), tl.load(row + C_T1, mask=ok, other=0),
+            tl.load(row + C_WAIT_EV, mask=ok, other=0), tl.load(row + C_WAIT_COUNT, mask=ok, other=0),
+            tl.load(row + C_SIG_EV, mask=ok, other=0), tl.load(row + C_W_OFF, mask=ok, other=0) // WEIGHT_ALIGN,
+            tl.load(row + C_N_OFF, mask=ok, other=0) // WEIGHT_ALIGN)
+
+
 @triton.jit(do_not_specialize=["epoch"])   # a new value every step: never a reason to recompile
 def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, prof_ptr,
                 W_ptr, A_ptr, I_ptr, k_ptr, v_ptr, inv_freq_ptr,
@@ -263,7 +278,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 NT_PAD: tl.constexpr,
                 PROFILE: tl.constexpr,
                 PREFETCH: tl.constexpr, PF_K: tl.constexpr, QM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                TICKET_AHEAD: tl.constexpr):
+                TICKET_AHEAD: tl.constexpr, ROW_AHEAD: tl.constexpr):
     nprog = tl.num_programs(0)
     G: tl.constexpr = H // KVH
     HALF: tl.constexpr = D // 2
@@ -285,6 +300,10 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
         nxt = tl.atomic_add(queue_ptr, 1, sem="relaxed") - ticket_base
     else:
         nxt = ticket_base * 0
+    # ROW_AHEAD (with TICKET_AHEAD): the next task's row is loaded before this task's signal, so its L2
+    # round trip overlaps the signal's release fence instead of following it (the first row: here)
+    if ROW_AHEAD:
+        n_op, n_layer, n_t0, n_t1, n_wait, n_count, n_sig, n_woff, n_noff = _task_row(tasks_ptr, nxt, num_tasks)
     running = True
     while running:
         if TICKET_AHEAD:
@@ -297,16 +316,23 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
         elif i >= num_tasks:
             running = False
         else:
-            row = tasks_ptr + i.to(tl.int64) * NUM_COLS
-            op = tl.load(row + C_OP)
-            layer = tl.load(row + C_LAYER)
-            t0 = tl.load(row + C_T0)
-            t1 = tl.load(row + C_T1)
-            wait_ev = tl.load(row + C_WAIT_EV)
-            target = tl.load(row + C_WAIT_COUNT) * epoch
-            sig_ev = tl.load(row + C_SIG_EV)
-            w_off = tl.multiple_of(tl.load(row + C_W_OFF), WEIGHT_ALIGN)   # WeightLayout aligns every weight
-            n_off = tl.multiple_of(tl.load(row + C_N_OFF), WEIGHT_ALIGN)
+            if ROW_AHEAD:
+                op, layer, t0, t1, wait_ev = n_op, n_layer, n_t0, n_t1, n_wait
+                target = n_count * epoch
+                sig_ev = n_sig
+                w_off = n_woff * WEIGHT_ALIGN
+                n_off = n_noff * WEIGHT_ALIGN
+            else:
+                row = tasks_ptr + i.to(tl.int64) * NUM_COLS
+                op = tl.load(row + C_OP)
+                layer = tl.load(row + C_LAYER)
+                t0 = tl.load(row + C_T0)
+                t1 = tl.load(row + C_T1)
+                wait_ev = tl.load(row + C_WAIT_EV)
+                target = tl.load(row + C_WAIT_COUNT) * epoch
+                sig_ev = tl.load(row + C_SIG_EV)
+                w_off = tl.multiple_of(tl.load(row + C_W_OFF), WEIGHT_ALIGN)   # WeightLayout aligns every weight
+                n_off = tl.multiple_of(tl.load(row + C_N_OFF), WEIGHT_ALIGN)
             if TICKET_AHEAD:
                 nxt = tl.atomic_add(queue_ptr, 1, sem="relaxed") - ticket_base
             if PROFILE:   # the kernel's own timestamps: wait begins, run begins, signal sent
@@ -354,6 +380,8 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 tl.store(prof_ptr + i.to(tl.int64) * 3 + 1, globaltimer())
             if ok:
                 w_base = W_ptr + w_off
+                do_signal = op != ATTN_SPLIT
+                sig_to = sig_ev
                 if op == EMBED:     # x[b, t0:t1] = embed[token[b], t0:t1]
                     cols = t0 + tl.arange(0, T_EMBED)
                     tok = tl.load(I_ptr + TOK_OFF + offs_b, mask=b_mask, other=0)
@@ -440,6 +468,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                     # merges its kv group (what an ATTN_REDUCE task did before plan version 3), then
                     # signals the row's AUX event
                     last_split = tl.atomic_add(sync_ptr + sig_ev, 1, sem="acq_rel") == S * epoch - 1
+                    do_signal = last_split
                     if last_split:   # ATTN_REDUCE: merge the splits of kv head t0's query heads, S_BLOCK at a time
                         tl.debug_barrier()
                         aux_ev = tl.load(tasks_ptr + i.to(tl.int64) * NUM_COLS + C_AUX)   # loaded here: not live
@@ -473,8 +502,7 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                                 m_run = m_new
                             hrow = b * H + t0 * G + offs_g
                             tl.store(A_ptr + ATTN_OFF + hrow[:, None] * D + offs_d[None, :], num / den, mask=g_mask[:, None])
-                        tl.debug_barrier()
-                        tl.atomic_add(sync_ptr + aux_ev, 1, sem="release")
+                        sig_to = aux_ev   # signalled after the opcode chain, as every other task's event
                 elif op == O_PROJ:   # x[:, t0:t1] += attn @ Wo[t0:t1]^T
                     acc, _ = _mv_tile(A_ptr + ATTN_OFF, H * D, offs_b, b_mask, offs_b, W_ptr, w_base, t0, t0,
                                       t1 - t0, H * D, False, False, T_O, BK_O, BLOCK_B)
@@ -535,10 +563,12 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                             best = tl.where(better, cmax, best)
                         tl.store(I_ptr + NEXT_OFF + b + tl.arange(0, 1), best_i)
                 # -- signal (release) once every thread's writes are done -----------------------
-                op_signals = op != ATTN_SPLIT
-                if op_signals:   # (an attention split signals, and may merge, in its branch above)
+                if ROW_AHEAD:   # before the signal: the next row's round trip overlaps the release fence
+                    n_op, n_layer, n_t0, n_t1, n_wait, n_count, n_sig, n_woff, n_noff = _task_row(
+                        tasks_ptr, nxt, num_tasks)
+                if do_signal:   # (an attention split signals in its branch above; the one that merged, here)
                     tl.debug_barrier()
-                    tl.atomic_add(sync_ptr + sig_ev, 1, sem="release")
+                    tl.atomic_add(sync_ptr + sig_to, 1, sem="release")
                 if PROFILE:
                     tl.store(prof_ptr + i.to(tl.int64) * 3 + 2, globaltimer())
 
