@@ -181,12 +181,12 @@ def kernel_constants(p: Plan, block_k: int | None = None,
                 PF_K=max(64, min(_pow2(HD), PF_ELEMENTS // _pow2(t.o))),
                 # ATTN_SPLIT: the group's query heads padded to a tensor-core tile's rows
                 QM=max(16, _pow2(p.num_heads // p.num_kv_heads)),
-                # the next ticket drawn as a task begins; at batch 8 (`_mv_dot`) the one extra live
-                # register takes the kernel's spill stack from 48 to 80 bytes with Triton 3.6 (cuobjdump;
-                # at hidden 4096 it fits since ATTN_SPLIT runs on tensor cores: 32 bytes at batch 1 and 4)
-                TICKET_AHEAD=int(p.batch < 8),
-                # ... and the next task's row loaded before this task's signal (needs the ticket in hand)
-                ROW_AHEAD=int(p.batch < 8),
+                # the next ticket drawn as a task begins, and the next task's row loaded before this task's
+                # signal (needs the ticket in hand). Off at dense-1B batch 8 (hidden 2048 beside 128-row LM
+                # tiles): the live ticket and row take Triton 3.6's spill stack to 96 bytes there (cuobjdump);
+                # at hidden 4096 batch 8 it is 32 bytes with 3.6 and 3.9
+                TICKET_AHEAD=int(p.batch < 8 or p.hidden_size > 2048),
+                ROW_AHEAD=int(p.batch < 8 or p.hidden_size > 2048),
                 # float32 KV (the CPU/interpreter tests): exact products; 16-bit KV: the input precision
                 DOT_PRECISION="ieee" if kv_dtype == torch.float32 else "tf32")
 
