@@ -125,7 +125,7 @@ class CpuTeamDecoder:
     device_greedy = True   # picks greedy tokens itself (no logits copy) when asked to
 
     def __init__(self, model: Any, kv: Any, exact: bool = False, threads: int | None = None):
-        why = self.unsupported(model, moe=True)
+        why = self.unsupported(model)
         if why is not None:
             raise RuntimeError(why)
         kv_dtype = kv.k.dtype
@@ -198,18 +198,12 @@ class CpuTeamDecoder:
                    int(bool(c.norm_topk_prob)), 0)
         return st, gu, dn
 
-    # Qwen2/3-MoE models run here (ROUTE, EXPERT_GU, SHARED_GU, MOE_DOWN tasks); False sends them to the
-    # eager step instead (`auto` then picks eager)
-    moe_by_default = True
-
     @classmethod
-    def unsupported(cls, model: Any, moe: bool | None = None) -> str | None:
-        """Why this runtime cannot run `model` here, or None (`moe`: accept Qwen2/3-MoE models; default
-        `moe_by_default`)."""
+    def unsupported(cls, model: Any) -> str | None:
+        """Why this runtime cannot run `model` here, or None. Qwen2/3-MoE models run here too (ROUTE,
+        EXPERT_GU, SHARED_GU, MOE_DOWN tasks)."""
         from slipstream.models.llama import LlamaModel
         from slipstream.models.qwen_moe import QwenMoeModel
-        if isinstance(model, QwenMoeModel) and not (cls.moe_by_default if moe is None else moe):
-            return "the native runtime's mixture-of-experts step is switched off; the eager runtime runs it"
         if not isinstance(model, (LlamaModel, QwenMoeModel)):
             return "the native runtime runs the Llama family (Llama, Mistral, Qwen2/3, SmolLM2)"
         if load_library() is None:
