@@ -86,13 +86,20 @@ async def _round(base: str, burst: int, prompt_len: int, idle_tokens: int, seed:
         burst_t0.append(time.perf_counter())
         await asyncio.gather(*(one(i) for i in range(burst)))
         await task
-    t0, t1 = burst_t0[0], max(first_tokens)
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    return _stats(times, burst_t0[0], first_tokens, idle_tokens)
+
+
+def _stats(times: list[float], t0: float, first_tokens: list[float], idle_tokens: int) -> dict:
+    """The first stream's gaps before the burst (idle) and while it is prefilled (from `t0`, the burst's
+    arrival, until the last of its prompts has its first token), and the burst's own time to first token."""
+    t1 = max(first_tokens)
     idle = [b - a for a, b in zip(times[1:idle_tokens + 1], times[2:idle_tokens + 1])]
     during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
+    ttft = [t - t0 for t in first_tokens]
     return {"idle_itl_p50_ms": 1e3 * statistics.median(idle), "burst_itl_p50_ms": 1e3 * statistics.median(during),
-            "burst_itl_p99_ms": 1e3 * _pct(during, 99), "burst_itl_max_ms": 1e3 * max(during),
-            "burst_prefill_s": t1 - t0, "burst_gaps": len(during), "all_gaps": len(gaps)}
+            "burst_itl_p90_ms": 1e3 * _pct(during, 90), "burst_itl_p99_ms": 1e3 * _pct(during, 99),
+            "burst_itl_max_ms": 1e3 * max(during), "burst_prefill_s": t1 - t0,
+            "burst_ttft_p50_s": statistics.median(ttft), "burst_gaps": len(during), "all_gaps": len(times) - 1}
 
 
 def _start(extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
@@ -152,12 +159,7 @@ def _engine_round(extra: list[str], burst: int, prompt_len: int, idle_tokens: in
         eng.add_request(r)
     while len(first_tokens) < burst:
         step()
-    t1 = max(first_tokens.values())
-    idle = [b - a for a, b in zip(times[1:idle_tokens + 1], times[2:idle_tokens + 1])]
-    during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
-    return {"idle_itl_p50_ms": 1e3 * statistics.median(idle), "burst_itl_p50_ms": 1e3 * statistics.median(during),
-            "burst_itl_p99_ms": 1e3 * _pct(during, 99), "burst_itl_max_ms": 1e3 * max(during),
-            "burst_prefill_s": t1 - t0, "burst_gaps": len(during), "all_gaps": len(times) - 1}
+    return _stats(times, t0, list(first_tokens.values()), idle_tokens)
 
 
 def main() -> None:
