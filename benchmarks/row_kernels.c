@@ -69,6 +69,11 @@ static void raw_rows(int t, const char *name) {
             else memcpy(p, &h, 2);
             if (t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K) memcpy(p + 2, &h, 2);
         }
+    uint8_t *rw = NULL;   // Q5_0, Q5_1, IQ4_NL: also re-blocked as at load (QT_R_*)
+    if (t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL) {
+        rw = malloc(row * N);
+        for (int n = 0; n < N; n++) qt_rb_pack_row(t, w + n * row, K, rw + n * row);
+    }
     for (int nb = 1; nb <= 8; nb *= 8) {
         double fused = 1e9, decoded = 1e9;
         for (int r = 0; r < REPS / 4; r++) {
@@ -92,6 +97,21 @@ static void raw_rows(int t, const char *name) {
         char label[64];
         snprintf(label, sizeof label, "%s, qt_q8_row", name);
         report(label, nb, fused);
+        if (rw) {
+            double best = 1e9;
+            for (int r = 0; r < REPS / 4; r++) {
+                double t0 = now();
+#define RBQ(NB) for (int n = 0; n < N; n++) qt_q8_row(100 + t, rw + n * row, K, xq, xd, xs, NB, out1)
+                SS_BY_ROWS(nb, RBQ)
+#undef RBQ
+                if (now() - t0 < best) best = now() - t0;
+            }
+            qt_q8_row(t, w + (N - 1) * row, K, xq, xd, xs, nb, out);
+            for (int b = 0; b < nb; b++)
+                if (fabsf(out[b] - out1[b]) > 1e-3f * (1.f + fabsf(out[b]))) printf("  MISMATCH %g %g\n", out[b], out1[b]);
+            snprintf(label, sizeof label, "%s, re-blocked", name);
+            report(label, nb, best);
+        }
         if (decoded < 1e9) {
             snprintf(label, sizeof label, "%s, row decoded first", name);
             report(label, nb, decoded);

@@ -179,6 +179,8 @@ def _block_cols(w: Linear, c0: int, c1: int) -> Linear | None:
     (32 weights for Q4_0/Q4_1/Q8_0/Q4_K's layout, the block of a raw GGUF type); else None."""
     if w.parts or w.fmt is None:
         return None
+    if w.reblocked:   # Q5_0/Q5_1/IQ4_NL laid out by planes: cut through the ggml blocks they came from
+        return w.block_cols(c0, c1)
     if w.raw:
         _, qk, bb = RAW_TYPES[w.fmt]
         if c0 % qk or c1 % qk:

@@ -8,9 +8,12 @@ A `Linear` holds an [N, K] weight in one of three ways:
     8-bit: `data` int8 [N, K], `scale` [N, K/32];                      w = scale * q
   with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0) or fp32 (Q4_K's products of a
   fp16 scale and a 6-bit one);
-- raw: every other ggml type (Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, F16, BF16) as the file's own
-  blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h` decodes
-  them block by block inside the products).
+- re-blocked, from Q5_0, Q5_1 and IQ4_NL (when K is a multiple of 64 and the native kernels are
+  built): the same bytes per row as the file's blocks, laid out by planes (codes, fifth bits, fp16
+  scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
+- raw: every other ggml type (Q2_K..Q6_K, IQ4_XS, F16, BF16, and the three above otherwise) as the
+  file's own blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h`
+  decodes them block by block inside the products).
 A fused product whose parts are stored in different ways (a Q4_K_M file's Q4_K Q/K with a Q6_K V)
 keeps its `parts`, stacked by output rows. Whatever the storage, `dequantize()` equals GGUF's
 reference dequantization bit for bit.
@@ -38,6 +41,9 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_K"}
 RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84),
              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
              20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
+# ggml types re-blocked at load -> our format id (100 + the ggml id; qtypes.h's QT_R_*)
+REBLOCK = {6: 106, 7: 107, 20: 120}
+REBLOCKED = {v: k for k, v in REBLOCK.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
 # kernels re-expand every weight group per 8 rows, a dense GEMM tiles far better.
@@ -85,6 +91,16 @@ class Linear:
         return self.fmt in RAW_TYPES
 
     @property
+    def reblocked(self) -> bool:
+        """Q5_0, Q5_1 or IQ4_NL re-blocked at load (same bytes, laid out by planes)."""
+        return self.fmt in REBLOCKED
+
+    @property
+    def blocks(self) -> bool:
+        """Rows of blocks decoded by `kernels/cpu/qtypes.h` (raw or re-blocked)."""
+        return self.fmt in RAW_TYPES or self.fmt in REBLOCKED
+
+    @property
     def nbytes(self) -> int:
         own = sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias)
                   if t is not None)
@@ -96,11 +112,15 @@ class Linear:
             return "F32"
         if self.parts:
             return "+".join(p.format_name for p in self.parts)
+        if self.reblocked:
+            return RAW_TYPES[REBLOCKED[self.fmt]][0]
         return RAW_TYPES[self.fmt][0] if self.raw else FORMAT_NAMES[self.fmt]
 
     @staticmethod
-    def from_raw(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear":
-        """ggml blocks of a type in RAW_TYPES, used in place (no copy of a memory-mapped file)."""
+    def from_raw(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int, reblock: bool = True) -> "Linear":
+        """ggml blocks of a type in RAW_TYPES, used in place (no copy of a memory-mapped file), or
+        for Q5_0, Q5_1 and IQ4_NL re-blocked into a copy of the same size (`reblock`, when the native
+        kernels are built and K is a multiple of 64)."""
         name, qk, bb = RAW_TYPES[fmt]
         if k % qk:
             raise ValueError(f"{name} weights need K divisible by {qk}, got {k}")
@@ -112,7 +132,53 @@ class Linear:
         raw = blocks.view(torch.uint8).reshape(n, -1)
         if raw.shape[1] != k // qk * bb:
             raise ValueError(f"a {name} row of {k} weights needs {k // qk * bb} bytes, got {raw.shape[1]}")
+        lib = load_library() if reblock and fmt in REBLOCK and k % 64 == 0 else None
+        if lib is not None:
+            src = raw.contiguous()
+            out = torch.empty_like(src)
+            fn = lib.ss_reblock
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+            fn.restype = None
+            fn(fmt, src.data_ptr(), n, k, out.data_ptr())
+            return Linear(n, k, out, REBLOCK[fmt])
         return Linear(n, k, raw, fmt)
+
+    def ggml_blocks(self) -> "Linear":
+        """A re-blocked weight as the ggml blocks it came from (the inverse of `from_raw`'s
+        re-blocking; other weights as they are)."""
+        if not self.reblocked:
+            return self
+        src = REBLOCKED[self.fmt]
+        n, g = self.n, self.k // 32
+        d = self.data.contiguous().numpy().reshape(n, -1)
+        nib = d[:, :16 * g].reshape(n, g // 2, 1, 32)
+        c4 = np.concatenate([nib & 15, nib >> 4], axis=2).reshape(n, g, 32)   # low 4 bits of each code
+        parts = []
+        if src == 20:
+            parts.append(d[:, 16 * g:18 * g].reshape(n, g, 2))
+        else:
+            g4 = g // 4 * 4
+            quads = d[:, 16 * g:16 * g + 4 * g4].reshape(n, g4 // 4, 1, 16)
+            shifts = np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1)
+            hi = np.concatenate([(quads >> shifts) & 1, (quads >> (shifts + 4)) & 1], axis=3).reshape(n, g4, 32)
+            tail = np.unpackbits(d[:, 16 * g + 4 * g4:20 * g].reshape(n, g - g4, 4), axis=2, bitorder="little")
+            qh = np.packbits(np.concatenate([hi, tail], axis=1), axis=2, bitorder="little")   # [n, g, 4]
+            parts.append(d[:, 20 * g:22 * g].reshape(n, g, 2))
+            if src == 7:
+                parts.append(d[:, 22 * g:24 * g].reshape(n, g, 2))
+            parts.append(qh)
+        parts.append((c4[..., :16] | (c4[..., 16:] << 4)).astype(np.uint8))
+        raw = np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(n, -1))
+        return Linear(n, self.k, torch.from_numpy(raw), src, bias=self.bias)
+
+    def block_cols(self, c0: int, c1: int) -> "Linear | None":
+        """Columns [c0, c1) of a re-blocked weight, still packed (None when they do not start and end
+        on its blocks of 32)."""
+        if not self.reblocked or c0 % 32 or c1 % 32:
+            return None
+        g = self.ggml_blocks()
+        bb = RAW_TYPES[g.fmt][2]
+        return Linear.from_raw(g.fmt, g.data[:, c0 // 32 * bb:c1 // 32 * bb].contiguous(), self.n, c1 - c0)
 
     @staticmethod
     def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
@@ -149,7 +215,7 @@ class Linear:
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Linear":
         """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs).
         The GPU kernels read the 4- and 8-bit layouts only: other formats go there dense."""
-        if (self.raw or self.parts) and torch.device(device).type != "cpu":
+        if (self.blocks or self.parts) and torch.device(device).type != "cpu":
             return Linear.dense(self.dequantize(), self.bias).to(device, dtype)
         if self.parts:
             return self
@@ -175,7 +241,7 @@ class Linear:
             full = torch.cat([p.dequantize() for p in self.parts])
             return full if rows is None else full[rows]
         w = self if rows is None else self.select_rows(rows)
-        if self.raw:
+        if self.blocks:
             return _raw_dequantize(w)
         groups = w.k // 32
         if self.fmt == Q8_0:
@@ -198,7 +264,7 @@ class Linear:
 
     def widen(self, lib) -> torch.Tensor:
         """The dense float32 weight, by the native kernel (same values as `dequantize`, faster)."""
-        if self.raw or self.parts:
+        if self.blocks or self.parts:
             return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
         sc, mn = self.scale.float(), None if self.min is None else self.min.float()   # fp16 scales widened
@@ -210,7 +276,7 @@ class Linear:
 
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
-        if self.raw or self.parts or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
+        if self.blocks or self.parts or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
             if not accumulate:
                 lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
                 return
@@ -243,7 +309,7 @@ class Linear:
                 a.next = ctypes.pointer(b)
             self._chain = mats
             return mats[0]
-        if self.raw:
+        if self.blocks:
             return SSMat(self.data.data_ptr(), None, None, ptr(self.bias) if with_bias else None, KIND_QT,
                          self.n, self.k, self.fmt)
         if not self.packed:
@@ -291,7 +357,7 @@ class Linear:
 
 def _layout(p: Linear) -> object:
     """Parts with the same layout concatenate into one matrix."""
-    if p.raw:
+    if p.blocks:
         return ("raw", p.fmt)
     return "q8" if p.fmt == Q8_0 else "q4" if p.packed else "f32"
 
@@ -327,6 +393,8 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
     lib = load_library()
     if w.fmt in (1, 30):   # F16, BF16: widening is exact in torch
         return w.data.contiguous().view(torch.float16 if w.fmt == 1 else torch.bfloat16).to(torch.float32).reshape(w.n, w.k)
+    if lib is None and w.reblocked:   # an artifact re-blocked elsewhere, read without a compiler
+        w = w.ggml_blocks()
     data = w.data.contiguous()
     if lib is None:
         import gguf

@@ -66,6 +66,37 @@ static int check_qtypes(void) {
         if (t == QT_F16 || t == QT_BF16) continue;
         qt_q8_row(t, w, K, xq[0], xd[0], xs[0], R, out);
         for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, wantq[r] / scale, 1e-4, "qt_q8", t);
+        if (t != QT_Q5_0 && t != QT_Q5_1 && t != QT_IQ4_NL) continue;
+        // re-blocked as at load (QT_R_*): the same weights, the same products; over the first KR
+        // weights too (G % 4 == 2: the last pair's path)
+        for (int KR = K; KR >= K - 64; KR -= 64) {
+            static uint8_t rw[K * 4];
+            static float rf[K];
+            qt_rb_pack_row(t, w, KR, rw);
+            qt_dequant_row(100 + t, rw, KR, rf);
+            for (int i = 0; i < KR && ok; i++)
+                if (memcmp(&rf[i], &wf[i], 4)) { printf("mismatch re-blocked decode t%d i%d\n", t, i); ok = 0; }
+            double wr[R] = {0}, wrq[R] = {0}, sr = 1e-3;
+            for (int r = 0; r < R; r++) {
+                for (int i = 0; i < KR; i++) {
+                    wr[r] += (double)wf[i] * x[r][i];
+                    wrq[r] += (double)wf[i] * xq[r][i] * xd[r][i / 32];
+                }
+                sr = fmax(sr, fabs(wr[r]));
+            }
+            // rows of KR: the activations' row stride is KR (rows packed again)
+            static int8_t rq[R * K];
+            static float rx[R * K], rd[R * K / 32], rs[R * K / 32], rsum[R * K / 32];
+            for (int r = 0; r < R; r++) {
+                memcpy(rx + r * KR, x[r], sizeof(float) * KR);
+                ss_quantize_row(rx + r * KR, KR, rq + r * KR, rd + r * (KR / 32), rs + r * (KR / 32));
+                ss_group_sums(rx + r * KR, KR, rsum + r * (KR / 32));
+            }
+            qt_f_row(100 + t, rw, KR, rx, rsum, R, out);
+            for (int r = 0; r < R; r++) ok &= close_to(out[r] / sr, wr[r] / sr, 1e-4, "qt_f re-blocked", t);
+            qt_q8_row(100 + t, rw, KR, rq, rd, rs, R, out);
+            for (int r = 0; r < R; r++) ok &= close_to(out[r] / sr, wrq[r] / sr, 1e-4, "qt_q8 re-blocked", t);
+        }
     }
     return ok;
 }

@@ -127,3 +127,41 @@ def test_stacked_parts_of_different_types() -> None:
     res = torch.randn(2, w.n)
     assert torch.allclose(w(x, out=res.clone(), accumulate=True).double(), ref + res.double(), atol=1e-4 * scale)
     assert w.format_name == "Q4_K+Q6_K+F32"
+
+
+@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q5_1, QT.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [512, 576, 192])   # G % 4 == 0, 2 (the last pair), 2
+def test_reblocked_rows(qt: QT, k: int) -> None:
+    """Q5_0, Q5_1 and IQ4_NL re-blocked at load (qtypes.h's QT_R_*): the same bytes per row, every
+    weight bit-exact, the ggml blocks recovered exactly, the exact path's products bit-identical
+    to the blocks read in place and the fast path's equal up to fp32 summation order."""
+    n = 6
+    blocks = random_blocks(qt, n, k, seed=11)
+    w = Linear.from_raw(int(qt), blocks, n, k)
+    raw = Linear.from_raw(int(qt), blocks, n, k, reblock=False)
+    assert w.reblocked and raw.raw and w.format_name == raw.format_name == qt.name
+    assert w.data.shape == raw.data.shape
+    ref = gguf.quants.dequantize(blocks, qt).reshape(n, k)
+    assert np.array_equal(bits(w.dequantize().numpy()), bits(ref))
+    assert np.array_equal(w.ggml_blocks().data.numpy(), blocks)
+    out = np.empty(k, np.float32)
+    lib.ss_qt_dequant(w.fmt, w.data[2:].contiguous().data_ptr(), 0, 1, k, out.ctypes.data)   # an embedding row
+    assert np.array_equal(bits(out), bits(ref[2]))
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(native_product(w, x, exact=True), native_product(raw, x, exact=True))
+        fast, want = native_product(w, x, exact=False), native_product(raw, x, exact=False)
+        scale = want.abs().max().item()
+        assert torch.allclose(fast, want, rtol=0, atol=2e-6 * scale)
+        ref_q = quantized(x).double() @ torch.from_numpy(ref).double().T
+        assert torch.allclose(fast.double(), ref_q, rtol=0, atol=1e-5 * scale)
+
+
+def test_reblocking_needs_pairs_of_groups() -> None:
+    """K not a multiple of 64 (an odd number of groups) keeps the file's blocks."""
+    blocks = random_blocks(QT.Q5_0, 3, 96, seed=12)
+    w = Linear.from_raw(int(QT.Q5_0), blocks, 3, 96)
+    assert w.raw and not w.reblocked
+    x = torch.randn(2, 96)
+    ref = x.double() @ w.dequantize().double().T
+    assert torch.allclose(w(x).double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())

@@ -17,6 +17,10 @@
 enum {
     QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q2_K = 10,
     QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23, QT_BF16 = 30,
+    // ours: Q5_0, Q5_1 and IQ4_NL re-blocked at load (weights/quant.py), 100 + the ggml type; same
+    // bytes per row as the ggml blocks, laid out by planes so the products read them as the 4-bit
+    // kernels read theirs (see qt_rb_q8_row)
+    QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_IQ4_NL = 120,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -37,6 +41,7 @@ static inline int qt_block(int t) {
     switch (t) {
     case QT_F16: case QT_BF16: return 1;
     case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q5_1: case QT_Q8_0: case QT_IQ4_NL: return 32;
+    case QT_R_Q5_0: case QT_R_Q5_1: case QT_R_IQ4_NL: return 32;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     default: return 0;
     }
@@ -47,6 +52,7 @@ static inline int qt_bytes(int t) {
     case QT_F16: case QT_BF16: return 2;
     case QT_Q4_0: return 18; case QT_Q4_1: return 20; case QT_Q5_0: return 22; case QT_Q5_1: return 24;
     case QT_Q8_0: return 34; case QT_IQ4_NL: return 18;
+    case QT_R_Q5_0: return 22; case QT_R_Q5_1: return 24; case QT_R_IQ4_NL: return 18;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     default: return 0;
@@ -54,8 +60,10 @@ static inline int qt_bytes(int t) {
 }
 
 static inline int qt_has_min(int t) {
-    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K;
+    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1;
 }
+
+static inline int qt_rb(int t) { return t == QT_R_Q5_0 || t == QT_R_Q5_1 || t == QT_R_IQ4_NL; }
 
 // IEEE half -> float, exactly (subnormals included), without relying on F16C
 static inline float qt_f16(const uint8_t *p) {
@@ -302,6 +310,181 @@ AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
     }
 }
 
+// -- Q5_0, Q5_1 and IQ4_NL re-blocked at load (QT_R_*) --------------------------------------------------
+// A row of K = 32 G weights (G even) keeps the ggml blocks' bytes, by planes:
+//   codes  16 G bytes: groups in pairs, 32 bytes per pair; byte j holds the low 4 bits of element j of
+//          the pair's first group (low nibble) and of its second group (high nibble);
+//   high   (Q5 only) 4 G bytes, the codes' fifth bits: groups in fours, 16 bytes per four; bit i of
+//          byte j is element j of group i, bit 4 + i element j + 16; the last two groups when G % 4
+//          is 2: 4 bytes each, ggml's qh (bit j = element j);
+//   d      2 G bytes: the groups' fp16 scales;  m (Q5_1 only) 2 G bytes: their fp16 minimums.
+// Codes are ggml's: Q5 5-bit unsigned (Q5_0's weight d (c - 16), Q5_1's d c + m), IQ4_NL a 4-bit
+// index into QT_KVALUES. A group's codes are one 32-byte register: a nibble mask or shift and, for
+// Q5, one shift and mask of the four-group high-bit register (no per-group bit spreading).
+AI int qt_rb_q5(int t) { return t != QT_R_IQ4_NL; }
+AI const uint8_t *qt_rb_scales(int t, const uint8_t *w, int G) { return w + (qt_rb_q5(t) ? 20 : 16) * G; }
+
+// signed int8 codes and per-32 fp32 scales and offsets of a re-blocked row: the same values as
+// qt_unpack gives for the ggml blocks it came from (Q5_0's codes c - 16, IQ4_NL's looked up)
+AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
+    const int G = K / 32, G4 = G & ~3;
+    const uint8_t *hb = w + 16 * G, *dh = qt_rb_scales(t, w, G);
+    for (int g = 0; g < G; g++) {
+        sc[g] = qt_f16(dh + 2 * g);
+        mn[g] = t == QT_R_Q5_1 ? qt_f16(dh + 2 * G + 2 * g) : 0.f;
+    }
+    for (int g = 0; g < G; g++) {
+        const uint8_t *pb = w + 32 * (g / 2);
+        const int shift = 4 * (g & 1);
+        int8_t *o = q + 32 * g;
+#if defined(SS_AVX2)
+        const __m256i v = _mm256_loadu_si256((const __m256i *)pb);
+        __m256i c = qt_field(v, shift, 15);
+        if (t == QT_R_IQ4_NL) {
+            qt_store(o, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)), c));
+            continue;
+        }
+        __m256i h;
+        if (g < G4) {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(hb + 16 * (g / 4)));
+            h = qt_field(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), g & 3, 1);
+        } else {
+            uint32_t qh;
+            memcpy(&qh, hb + 4 * g, 4);
+            h = _mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(1));
+        }
+        c = _mm256_or_si256(c, _mm256_slli_epi16(h, 4));
+        qt_store(o, t == QT_R_Q5_0 ? _mm256_sub_epi8(c, _mm256_set1_epi8(16)) : c);
+        continue;
+#endif
+        for (int j = 0; j < 32; j++) {
+            const int c = (pb[j] >> shift) & 15;
+            if (t == QT_R_IQ4_NL) {
+                o[j] = QT_KVALUES[c];
+                continue;
+            }
+            const int h = g < G4 ? (hb[16 * (g / 4) + (j & 15)] >> ((g & 3) + 4 * (j >> 4))) & 1
+                                 : (hb[4 * g + j / 8] >> (j % 8)) & 1;
+            o[j] = (int8_t)((c | (h << 4)) - (t == QT_R_Q5_0 ? 16 : 0));
+        }
+    }
+}
+
+// one row of ggml blocks (t: Q5_0, Q5_1 or IQ4_NL; K = 32 G, G even) -> the re-blocked row (same bytes)
+static inline void qt_rb_pack_row(const int t, const uint8_t *src, int K, uint8_t *dst) {
+    const int G = K / 32, G4 = G & ~3, BB = qt_bytes(t), q5 = t != QT_IQ4_NL, off = t == QT_Q5_1 ? 2 : 0;
+    uint8_t *hb = dst + 16 * G, *dh = dst + (q5 ? 20 : 16) * G;
+    memset(dst, 0, (size_t)BB * G);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *b = src + (int64_t)g * BB, *qs = b + (q5 ? 6 + off : 2);
+        memcpy(dh + 2 * g, b, 2);
+        if (t == QT_Q5_1) memcpy(dh + 2 * G + 2 * g, b + 2, 2);
+        uint32_t qh = 0;
+        if (q5) memcpy(&qh, b + 2 + off, 4);
+        for (int j = 0; j < 32; j++) {
+            const int c = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4, h = (qh >> j) & 1;
+            dst[32 * (g / 2) + j] |= (uint8_t)(c << (4 * (g & 1)));
+            if (!q5) continue;
+            if (g < G4) hb[16 * (g / 4) + (j & 15)] |= (uint8_t)(h << ((g & 3) + 4 * (j >> 4)));
+            else hb[4 * g + j / 8] |= (uint8_t)(h << (j % 8));
+        }
+    }
+}
+
+#if defined(SS_AVX2)
+AI __m128 qt_f16x4(const uint8_t *p) {   // four fp16 values -> fp32
+#if defined(__F16C__)
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return _mm_setr_ps(qt_f16(p), qt_f16(p + 2), qt_f16(p + 4), qt_f16(p + 6));
+#endif
+}
+
+// the fifth bits of four groups' codes (16 bytes of the high plane) -> 16 or 0 per code byte
+AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x), m = _mm256_set1_epi8(16);
+    h[0] = _mm256_and_si256(_mm256_slli_epi16(v, 4), m);
+    h[1] = _mm256_and_si256(_mm256_slli_epi16(v, 3), m);
+    h[2] = _mm256_and_si256(_mm256_slli_epi16(v, 2), m);
+    h[3] = _mm256_and_si256(_mm256_slli_epi16(v, 1), m);
+}
+
+// fast product of one re-blocked row (as q4q8_row: four groups per reduction); Q5 codes are
+// unsigned (u8 x s8 products), Q5_0's -16 d joins the offset term; IQ4_NL's looked-up codes are
+// signed (their sign moves to the activation, as q8q8_row does)
+AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
+                     int nb, float *out) {
+    const int G = K / 32, q5 = qt_rb_q5(t), mins = t != QT_R_IQ4_NL;
+    const uint8_t *hb = w + 16 * G, *dh = qt_rb_scales(t, w, G), *mh = dh + 2 * G;
+    // scales widened four at a time; the offset term (Q5_0: -16 d, Q5_1: m) in the same pass
+    __m128 acc[MAX_ROWS], accm[MAX_ROWS];
+    __m256 acc1[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    int g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g + 32));
+        __m256i wq[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                         _mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+        __m256i ws[4];
+        if (q5) {
+            __m256i h[4];
+            qt_rb_high4(hb + 4 * g, h);
+            for (int j = 0; j < 4; j++) wq[j] = _mm256_or_si256(wq[j], h[j]);
+        } else {
+            for (int j = 0; j < 4; j++) {
+                ws[j] = _mm256_shuffle_epi8(kv, wq[j]);
+                wq[j] = _mm256_sign_epi8(ws[j], ws[j]);
+            }
+        }
+        const __m128 s4 = qt_f16x4(dh + 2 * g);
+        const __m128 o4 = t == QT_R_Q5_1 ? qt_f16x4(mh + 2 * g) : s4;
+        for (int b = 0; b < nb; b++) {
+            const int8_t *a = xq + (int64_t)b * K + g * 32;
+            __m256i p[4];
+            for (int j = 0; j < 4; j++) {
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+                p[j] = ss_dot_u8s8(wq[j], q5 ? av : _mm256_sign_epi8(av, ws[j]));
+            }
+            acc[b] = _mm_fmadd_ps(_mm_mul_ps(s4, _mm_loadu_ps(xd + (int64_t)b * G + g)), _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
+            if (mins) accm[b] = _mm_fmadd_ps(o4, _mm_loadu_ps(xs + (int64_t)b * G + g), accm[b]);
+        }
+    }
+    for (; g < G; g += 2) {   // the last pair (G % 4 == 2)
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+        __m256i wq[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)}, ws[2];
+        float sc[2], mo[2];
+        for (int j = 0; j < 2; j++) {
+            sc[j] = qt_f16(dh + 2 * (g + j));
+            mo[j] = t == QT_R_Q5_1 ? qt_f16(mh + 2 * (g + j)) : sc[j];
+            if (q5) {
+                uint32_t qh;
+                memcpy(&qh, hb + 4 * (g + j), 4);
+                wq[j] = _mm256_or_si256(wq[j], _mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(16)));
+            } else {
+                ws[j] = _mm256_shuffle_epi8(kv, wq[j]);
+                wq[j] = _mm256_sign_epi8(ws[j], ws[j]);
+            }
+        }
+        for (int b = 0; b < nb; b++)
+            for (int j = 0; j < 2; j++) {
+                const int64_t i = (int64_t)b * G + g + j;
+                const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + 32 * (g + j)));
+                const __m256i p = ss_dot_u8s8(wq[j], q5 ? av : _mm256_sign_epi8(av, ws[j]));
+                acc1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j] * xd[i]), _mm256_cvtepi32_ps(p), acc1[b]);
+                if (mins) accm[b] = _mm_add_ss(accm[b], _mm_set_ss(mo[j] * xs[i]));
+            }
+    }
+    for (int b = 0; b < nb; b++) {
+        const float m = hsum128(accm[b]);
+        out[b] = hsum128(acc[b]) + hsum256(acc1[b]) + (t == QT_R_Q5_0 ? -16.f * m : m);
+    }
+}
+#endif
+
 // -- fast product: one weight row of block type t against nb int8 activation rows ------------------
 // xs: the activation's per-32 sums (d * sum of codes), for the offsets of types whose minimum is
 // per 32 weights; Q2_K's per-16 minimum sums the codes itself
@@ -310,6 +493,10 @@ AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
 AI int qt_per32(const int t) { return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K; }
 
 AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
+    if (qt_rb(t)) {
+        qt_rb_unpack_row(t, w, K, q, sc, mn);
+        return;
+    }
     const int QK = qt_block(t), BB = qt_bytes(t);
     float sc16[QT_MAX / 16], mn16[QT_MAX / 16];
     for (int blk = 0; blk < K / QK; blk++) {
@@ -321,6 +508,12 @@ AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *
 AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
                     int nb, float *out) {
     const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
+#if defined(SS_AVX2)
+    if (qt_rb(t)) {
+        qt_rb_q8_row(t, w, K, xq, xd, xs, nb, out);
+        return;
+    }
+#endif
     if (qt_per32(t)) {
         int8_t *q = alloca((size_t)K);
         float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
@@ -396,10 +589,20 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
 
 // one compiled body per type (the decoder's switch folds away)
 #define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
-    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS)
+    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
+#if defined(SS_AVX2)
+    // the re-blocked types with the row count a compile-time constant (accumulators in registers)
+    switch (t) {
+#define QT_RB_ROWS(NB) qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out)
+#define QT_RB_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
+    QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL)
+#undef QT_RB_CASE
+#undef QT_RB_ROWS
+    }
+#endif
     switch (t) {
 #define QT_CASE(T) case T: qt_q8_row_t(T, w, K, xq, xd, xs, nb, out); break;
     QT_EACH_BLOCK_TYPE(QT_CASE)
@@ -495,6 +698,18 @@ __attribute__((optimize("fp-contract=off")))   // sc * q, then + mn: two roundin
 static void qt_dequant_row(int t, const uint8_t *w, int K, float *out) {
     if (t == QT_F16 || t == QT_BF16) {
         for (int i = 0; i < K; i++) out[i] = t == QT_F16 ? qt_f16(w + 2 * i) : qt_bf16(w + 2 * i);
+        return;
+    }
+    if (qt_rb(t)) {
+        const int G = K / 32;
+        int8_t *q = alloca((size_t)K);
+        float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
+        qt_rb_unpack_row(t, w, K, q, sc, mn);
+        for (int i = 0; i < K; i++) {
+            float v = sc[i / 32] * (float)q[i];
+            if (qt_has_min(t)) v = v + mn[i / 32];
+            out[i] = v;
+        }
         return;
     }
     const int QK = qt_block(t), BB = qt_bytes(t);

@@ -18,7 +18,7 @@
 // If accumulate != 0 the result is added to y (fuses the residual add).
 #include <stdint.h>
 
-#include "simd.h"
+#include "qtypes.h"
 
 #define CHUNK MAX_ROWS
 #define q4_row(row, sc, mn, G, x, K, xs, nb, out) q4f_row(row, sc, mn, G, x, K, xs, nb, out)
@@ -119,4 +119,12 @@ void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) 
         for (int j = 0; j < 32; j++) out[i * 32 + j] = scale[i] * (float)qs[i * 32 + j];
 #endif
     }
+}
+
+// Q5_0, Q5_1 and IQ4_NL blocks (qtype: the ggml type) of n rows of K weights -> the re-blocked
+// rows of qtypes.h's QT_R_* layout (K a multiple of 64; same bytes per row)
+void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
+    const int64_t row = (int64_t)K / 32 * qt_bytes(qtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) qt_rb_pack_row(qtype, src + r * row, K, dst + r * row);
 }
