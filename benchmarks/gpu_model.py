@@ -28,10 +28,11 @@ tasks in ticket order (the earliest free program gets the next ticket); a task s
 program is free and its wait event has its count (signal + poll latency after the last producer);
 it costs a ticket atomic, the task-row load, one poll, a release signal, then its loops (with
 tickets drawn ahead, a program's later tasks wait for their ticket only while its atomic, issued
-when the previous task began, is still in flight). With PREFETCH=1 a waiting O_PROJ task spins
-at the compiled spin loop's rate (a chunk read and a poll per spin), proceeds at the end of the
-first spin begun once its event was visible, and runs the chunks it read at L2 latency and
-bandwidth. Each
+when the previous task began, is still in flight; with `ROW_AHEAD` the next row is loaded as a
+task's signal begins). With PREFETCH=1 a waiting O_PROJ task spins at the compiled chunk spin
+loop's rate (a chunk read and a poll per spin) until its tile is read, then polls as every other
+wait; it proceeds at the end of the first chunk spin begun once its event was visible (or a poll
+after it), and runs the chunks it read at L2 latency and bandwidth. Each
 phase's tasks share HBM bandwidth equally (bandwidth / min(tasks of the phase, SMs)). Graph:
 per launch, the launch cost plus waves of programs (occupancy from registers and shared memory).
 Both are floored at the step's bytes / copy bandwidth. Roofline: the step's weight + KV bytes /
@@ -427,24 +428,24 @@ def model_megakernel(plan, context: int, programs_per_sm: int = 1, prefetch: int
         if r[4] >= 0:
             ready = ev_time[r[4]] + HW.atomic_ns * 1e-9
             if prefetch == 1 and ready > start and r[0] == int(Op.O_PROJ) and code.spin is not None:
-                # PREFETCH=1: a waiting O_PROJ task reads one chunk of its tile per spin (the spin
-                # loop as compiled: its chunk loads and its poll in flight together); it proceeds at
-                # the end of the first spin that began once the event was visible, and runs the
-                # chunks it read from L2
+                # PREFETCH=1: a waiting O_PROJ task reads one chunk of its tile per spin (the chunk
+                # spin loop as compiled: its chunk loads and its poll in flight together); it proceeds
+                # at the end of the first chunk spin that began once the event was visible, and runs the
+                # chunks it read from L2. Once the tile is read it polls in the plain spin loop (a poll
+                # round trip after the event is visible, as every other wait is modelled)
                 bw_pf = HW.copy_bw / (min(phase[(r[0], r[1])], HW.sms) * programs_per_sm)
                 chunk = code.spin.weight_bytes_per_thread * 32 * code.warps
                 _, wbytes = _task_seconds(plan, code, r, HW.copy_bw, consts, context)
                 n_pf = math.ceil(wbytes / chunk) if chunk else 0
                 t_chunk = code.spin.seconds(code.warps, chunk, bw_pf, HW.hbm_ns)
-                t_poll = code.spin.seconds(code.warps, 0, bw_pf, HW.atomic_ns)
+                # (the wait's first poll, issued with the row, is checked before any chunk spin)
                 visible, tcur, k = ev_time[r[4]], start, 0
-                while True:
-                    sees = tcur >= visible
-                    tcur += t_chunk if k < n_pf else t_poll
+                seen = visible <= start - HW.atomic_ns * 1e-9
+                while k < n_pf and not seen:
+                    seen = tcur >= visible
+                    tcur += t_chunk
                     k += 1
-                    if sees:
-                        break
-                ready = tcur
+                ready = tcur if seen or k == 0 else max(tcur, visible) + HW.atomic_ns * 1e-9
                 pf_frac = min(1.0, min(k, n_pf) * chunk / wbytes) if wbytes else 0.0
             start = max(start, ready)
         active = min(phase[(r[0], r[1])], HW.sms) * 1.0

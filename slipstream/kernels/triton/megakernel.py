@@ -345,32 +345,37 @@ def _megakernel(tasks_ptr, num_tasks, sync_ptr, num_events, epoch, max_spins, pr
                 if PREFETCH == 2:     # the whole tile, always (tests: under the interpreter nothing ever waits)
                     _prefetch_weights(W_ptr + w_off, op, t0, t1, Hd, F, error_ptr, H * D, D, BLOCK_K)
                 # PREFETCH == 1: an O_PROJ task reads its tile one [T_O, PF_K] chunk per spin, only while
-                # it waits, so it never starts later than one chunk's round trip after its event. O is
-                # the phase that waits while HBM is idle (the attention phase before it reads only the
-                # KV); every other phase's waiting programs would take bandwidth from a running one
-                pf = 0
-                n_pf = tl.where(op == O_PROJ, tl.cdiv(H * D, PF_K), 0)
-                pf_rows = (t0 + tl.arange(0, T_O)).to(tl.int64)
-                pf_rmask = tl.arange(0, T_O) < t1 - t0
-                junk = tl.zeros((T_O, PF_K), tl.float32)
+                # it waits, so it never starts later than one chunk's round trip after its event; once the
+                # tile is read it polls in the plain spin loop below. O is the phase that waits while HBM is
+                # idle (the attention phase before it reads only the KV); every other phase's waiting
+                # programs would take bandwidth from a running one
                 spins = 0
                 err = 0
-                while (seen < target) & (spins < max_spins) & (err == 0):
-                    if PREFETCH == 1:   # the chunk's loads issued before the poll, used after it: both in flight
+                if PREFETCH == 1:
+                    pf = 0
+                    n_pf = tl.where(op == O_PROJ, tl.cdiv(H * D, PF_K), 0)
+                    pf_rows = (t0 + tl.arange(0, T_O)).to(tl.int64)
+                    pf_rmask = tl.arange(0, T_O) < t1 - t0
+                    junk = tl.zeros((T_O, PF_K), tl.float32)
+                    while (seen < target) & (pf < n_pf) & (spins < max_spins) & (err == 0):
+                        # the chunk's loads issued before the poll, used after it: both in flight
                         ks = pf * PF_K + tl.arange(0, PF_K)
-                        k_live = (ks < H * D) & ((ks * 0 + pf) < n_pf)   # no chunk once the tile is read
                         chunk = tl.load(W_ptr + w_off + pf_rows[:, None] * (H * D) + ks[None, :],
-                                        mask=pf_rmask[:, None] & k_live[None, :], other=0.0)
+                                        mask=pf_rmask[:, None] & (ks < H * D)[None, :], other=0.0)
                         pf += 1
-                    seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
-                    if PREFETCH == 1:
+                        seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
                         junk = tl.maximum(junk, chunk.to(tl.float32))
+                        if (spins & 63) == 63:
+                            err = tl.atomic_add(error_ptr, 0)
+                        spins += 1
+                    # a use the compiler cannot drop (no bf16 weight is exactly -3e38)
+                    hit = (tl.zeros((1,), tl.float32) + tl.max(tl.max(junk, axis=1), axis=0)) == -3.0e38
+                    tl.store(error_ptr + tl.arange(0, 1), tl.full((1,), -2, tl.int32), mask=hit)
+                while (seen < target) & (spins < max_spins) & (err == 0):
+                    seen = tl.atomic_add(sync_ptr + wait_ev, 0, sem="acquire")
                     if (spins & 63) == 63:   # another program's failure: checked rarely (an L2 atomic each)
                         err = tl.atomic_add(error_ptr, 0)
                     spins += 1
-                if PREFETCH == 1:   # a use the compiler cannot drop (no bf16 weight is exactly -3e38)
-                    hit = (tl.zeros((1,), tl.float32) + tl.max(tl.max(junk, axis=1), axis=0)) == -3.0e38
-                    tl.store(error_ptr + tl.arange(0, 1), tl.full((1,), -2, tl.int32), mask=hit)
                 if seen < target:
                     tl.atomic_cas(error_ptr, 0, (i + 1).to(tl.int32))   # the first failure is the cause
                     ok = False
