@@ -29,6 +29,8 @@ POST_ATTN, POST_FFN = 0, 1
 NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
 TILE_BYTES = 256 * 1024
 TASKS_PER_THREAD = 4
+MAX_ATTN_PARTS = 8   # step.c's MAX_PARTS
+ATTN_SPLIT_ROWS = 8
 NORM_ROWS = 8        # rows per RMSNorm task (a prompt chunk's rows are normalised in parallel)
 
 
@@ -73,6 +75,17 @@ def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int,
     return [(a * unit, min(n, (a + per) * unit)) for a in range(0, units, per)]
 
 
+def attention_parts(rows: int, kv_heads: int, threads: int) -> int:
+    """Tasks each (row, KV head)'s attention gets: enough that one row's attention gives every thread two
+    (at most MAX_ATTN_PARTS), for steps of up to ATTN_SPLIT_ROWS rows (decode batches; a prompt chunk's rows
+    fill the team by themselves). step.c splits a context of n tokens into n // 256 parts (1 to 8, by n
+    alone, so results depend on neither the team's size nor the rows beside it) and shares them among
+    these tasks; a task with no part left returns at once."""
+    if threads <= 1 or rows > ATTN_SPLIT_ROWS:
+        return 1
+    return max(1, min(MAX_ATTN_PARTS, -(-2 * threads // kv_heads)))
+
+
 def _row_blocks(rows: int, per: int = NORM_ROWS) -> list[tuple[int, int]]:
     return [(a, min(rows, a + per)) for a in range(0, rows, per)]
 
@@ -105,7 +118,9 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
     for layer in range(s.num_layers):
         op(NORM, layer, _row_blocks(rows), NORM_ATTN)
         op(QKV, layer, _tiles(qkv_heads, 1, s.head_dim * s.hidden * bpw["qkv"], threads))
-        op(ATTN, layer, [(b, g) for b in range(rows) for g in range(s.kv_heads)])
+        parts = attention_parts(rows, s.kv_heads, threads)
+        group(layer, [(ATTN, b, g, part | parts << 8) for b in range(rows) for g in range(s.kv_heads)
+                      for part in range(parts)])
         if s.head_dim % 32:
             op(PREP, layer, [(b, b + 1) for b in range(rows)])
         op(O_PROJ, layer, _tiles(s.hidden, 8, s.heads * s.head_dim * bpw["o"], threads))
@@ -227,6 +242,14 @@ def _check_coverage(table: np.ndarray, s: Shape, rows: int) -> None:
             need = {ROUTE} if t[OP] != MOE_DOWN else {EXPERT_GU, SHARED_GU}
             if not producers & need:
                 raise CpuPlanError(f"task {i} ({OP_NAMES[t[OP]]}) does not wait on {sorted(OP_NAMES[c] for c in need)}")
-    heads = {(t[LAYER], t[T0], t[T1]) for t in table.tolist() if t[OP] == ATTN}
-    if len(heads) != s.num_layers * rows * s.kv_heads:
+    parts_of: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for t in rows_list:
+        if t[OP] == ATTN:
+            parts_of.setdefault((t[LAYER], t[T0], t[T1]), []).append((t[AUX] & 0xFF, t[AUX] >> 8))
+    if len(parts_of) != s.num_layers * rows * s.kv_heads:
         raise CpuPlanError("attention tasks do not cover every (row, KV head) of every layer once")
+    for key, got in parts_of.items():
+        n = max(got[0][1], 1)
+        if n > MAX_ATTN_PARTS or sorted(got) != [(i, got[0][1]) for i in range(n)]:
+            raise CpuPlanError(f"attention of (layer, row, KV head) {key}: tasks {sorted(got)} are not 0..{n - 1} "
+                               f"of {n} (at most {MAX_ATTN_PARTS})")

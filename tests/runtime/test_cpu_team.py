@@ -130,6 +130,31 @@ def test_results_do_not_depend_on_thread_count(smollm2):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("f16", [False, True])
+def test_long_contexts_are_split_and_merged(f16):
+    """Contexts of 512 tokens and more are attended in parts (n // 256 of them, up to 8) that the team
+    shares, merged in part order: the same logits as eager (exact path) and bitwise the same row
+    whatever the team's size and whatever other rows share the step."""
+    model = _packed_random(None, 32)
+    contexts = [1100, 600, 40, 2100]           # 4, 2, 1 and 8 parts
+    kv = model.new_kv_cache(sum(-(-(c + 2) // 16) for c in contexts) + 4,
+                            dtype=torch.float16 if f16 else torch.float32)
+    g = torch.Generator().manual_seed(5)
+    seqs = [SequenceKV(kv) for _ in contexts]
+    for s, n in zip(seqs, contexts):
+        model.forward(prefill_step(s, torch.randint(3, 250, (n,), generator=g).tolist(), extra=2), kv)
+
+    def step(rows: list[int]):   # token 7 at each row's next position (rewriting the same KV each time)
+        return decode_step([seqs[i] for i in rows], [7] * len(rows), [contexts[i] for i in rows])
+    teams = {t: CpuTeamDecoder(model, kv, exact=True, threads=t) for t in (1, 2)}
+    eager = model.forward(step([0, 1, 2, 3]), kv)
+    torch.testing.assert_close(teams[2].forward(step([0, 1, 2, 3])), eager, rtol=1e-4, atol=1e-4)
+    alone = teams[1].forward(step([0]))[0]
+    for threads, rows in ((2, [0]), (2, [0, 2]), (2, [3, 2, 0, 1]), (1, [1, 0])):
+        got = teams[threads].forward(step(rows))
+        assert torch.equal(got[rows.index(0)], alone), (threads, rows)
+
+
 def test_tokens_only_is_the_argmax_of_the_logits(smollm2):
     kv = smollm2.new_kv_cache(64)
     team = CpuTeamDecoder(smollm2, kv)
@@ -228,6 +253,17 @@ def test_plan_validator_rejects_broken_tables():
     gap = np.delete(table, np.where(table[:, cpu_plan.OP] == cpu_plan.DOWN)[0][:1], axis=0)
     with pytest.raises(cpu_plan.CpuPlanError):
         cpu_plan.validate(gap, shape, 2)
+
+
+def test_plan_validator_checks_attention_tasks():
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    table = cpu_plan.build(shape, rows=1, threads=2, argmax=True)
+    attn = np.where(table[:, cpu_plan.OP] == cpu_plan.ATTN)[0]
+    assert {t >> 8 for t in table[attn, cpu_plan.AUX]} == {cpu_plan.attention_parts(1, 2, 2)} == {2}
+    dup = table.copy()
+    dup[attn[1], cpu_plan.AUX] = dup[attn[0], cpu_plan.AUX]   # task 0 twice, task 1 never
+    with pytest.raises(cpu_plan.CpuPlanError, match="tasks"):
+        cpu_plan.validate(dup, shape, 1)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])

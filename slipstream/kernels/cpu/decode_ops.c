@@ -45,7 +45,7 @@ static void attn_decode_any(const float *q, int q_stride, int S, int H, int KVH,
         float *p = (float *)malloc(sizeof(float) * (n > 0 ? n * group : 1));
         for (int kvh = 0; kvh < KVH; kvh++)
             ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, f16, KVH, kvh, D,
-                            slots + starts[s], n, scale, 0.f, p, out + (int64_t)s * H * D + kvh * group * D);
+                            slots + starts[s], n, scale, 0.f, p, out + (int64_t)s * H * D + kvh * group * D, NULL);
         free(p);
     }
 }

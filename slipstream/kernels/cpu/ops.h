@@ -77,9 +77,11 @@ static inline void ss_kv_store(void *cache, int f16, int64_t slot, int KVH, int 
 
 // One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh; fp16 when f16):
 // out[D] = softmax(s) . v with s = q . k * scale, or cap * tanh(s / cap) when cap > 0 (Gemma 2's
-// soft-capping); p: scratch of n floats
+// soft-capping); p: scratch of n floats. ml (if not NULL): the scores' max and the sum of exp(s - max),
+// what it takes to merge this result with another part of the same context's (ss_attend_merge).
 static inline void ss_attend(const float *q, const void *kcache, const void *vcache, int f16, int KVH, int kvh,
-                             int D, const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out) {
+                             int D, const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out,
+                             float *ml) {
     float row[f16 ? D : 1];
 #define SS_ROW(cache, j) (f16 ? (ss_f16_row((const uint16_t *)SS_KV_ROW(cache, 1, slots[j], KVH, kvh, D), row, D), \
                                  (const float *)row)                                                              \
@@ -92,6 +94,7 @@ static inline void ss_attend(const float *q, const void *kcache, const void *vca
     }
     const float sum = ss_exp_shift(p, n, mx);
     const float inv = 1.0f / sum;
+    if (ml) ml[0] = mx, ml[1] = sum;
     memset(out, 0, sizeof(float) * D);
     for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, SS_ROW(vcache, j), D);
 #undef SS_ROW
@@ -160,7 +163,7 @@ AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache
 // ss_attend_heads' vector body, specialised for the cache's element type (f16 a constant)
 AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const void *vcache, const int f16,
                              int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
-                             float *p, float *out) {
+                             float *p, float *out, float *ml) {
     const __m128 sc = _mm_set1_ps(scale);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
@@ -194,7 +197,9 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
             if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
             mx = ph[i] > mx ? ph[i] : mx;
         }
-        inv[h] = 1.0f / ss_exp_shift(ph, n, mx);
+        const float sum = ss_exp_shift(ph, n, mx);
+        inv[h] = 1.0f / sum;
+        if (ml) ml[2 * h] = mx, ml[2 * h + 1] = sum;
     }
     for (int h = 0; h < nh; h += 3) {   // the values: 32 output dims of up to three heads per pass over them
         const int hb = nh - h < 3 ? nh - h : 3;
@@ -218,26 +223,45 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 // in cache. Scores: four keys against up to three heads in 4 x 3 independent accumulators (no dependent
 // chain of FMAs, one horizontal sum per four keys, each key vector loaded and widened once for the three);
 // values: 32 output dims of up to three heads stay in registers while the values stream by, each value
-// vector loaded and widened once for them. p: scratch of nh * n floats.
+// vector loaded and widened once for them. p: scratch of nh * n floats; ml (if not NULL): [nh][2] each head's
+// score max and exp-sum (see ss_attend).
 static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
                                    int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
-                                   float *p, float *out) {
+                                   float *p, float *out, float *ml) {
 #if defined(SS_AVX2)
     if (D % 8 == 0 && n > 0) {
 #if defined(SS_F16C)
         if (f16) {
-            ss_attend_heads_avx2(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out);
+            ss_attend_heads_avx2(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
             return;
         }
 #endif
         if (!f16) {
-            ss_attend_heads_avx2(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out);
+            ss_attend_heads_avx2(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
             return;
         }
     }
 #endif
     for (int h = 0; h < nh; h++)
-        ss_attend(q + h * D, kcache, vcache, f16, KVH, kvh, D, slots, n, scale, cap, p, out + h * D);
+        ss_attend(q + h * D, kcache, vcache, f16, KVH, kvh, D, slots, n, scale, cap, p, out + h * D,
+                  ml ? ml + 2 * h : NULL);
+}
+
+// Attention results of S parts of one context merged (flash-decoding's combine): part s holds nh heads'
+// outputs part[s][nh][D], each normalised over its own keys, and ml[s][nh][2] their score max and exp-sum;
+// out[nh][D] is what one pass over the whole context gives (up to rounding). Parts in order, s = 0..S-1.
+static inline void ss_attend_merge(const float *part, const float *ml, int S, int nh, int D, float *out) {
+    for (int h = 0; h < nh; h++) {
+        float mx = -INFINITY, total = 0.f, w[S];
+        for (int s = 0; s < S; s++) mx = ml[(s * nh + h) * 2] > mx ? ml[(s * nh + h) * 2] : mx;
+        for (int s = 0; s < S; s++) {
+            w[s] = ml[(s * nh + h) * 2 + 1] * expf(ml[(s * nh + h) * 2] - mx);
+            total += w[s];
+        }
+        float *o = out + h * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int s = 0; s < S; s++) ss_axpy(o, w[s] / total, part + ((int64_t)s * nh + h) * D, D);
+    }
 }
 
 // out[i] = silu(g[i]) * u[i]

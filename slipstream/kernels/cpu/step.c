@@ -123,7 +123,8 @@ enum {
     OP_EMBED = 0,     // row t0: x = embedding of its token
     OP_NORM = 1,      // rows t0..t1: h = RMSNorm(x) (aux: 0 attn, 1 ffn, 2 final: output rows, h[i] from x[out_rows[i]])
     OP_QKV = 2,       // heads t0..t1 of the fused QKV rows: product, bias, q/k norm, RoPE, KV store
-    OP_ATTN = 3,      // row t0, KV head t1: attention of its query heads over the row's context
+    OP_ATTN = 3,      // row t0, KV head t1: attention of its query heads over the row's context (aux: task j |
+                      // tasks << 8: a long context's parts are shared by the tasks; see attention())
     OP_PREP = 4,      // row t0: quantize attn (when the head size is not a multiple of 32)
     OP_O = 5,         // rows t0..t1 of Wo: x += attn Wo^T
     OP_GATE_UP = 6,   // act columns t0..t1: act = silu(h Wg^T) * (h Wu^T), quantized
@@ -270,22 +271,78 @@ static __thread float *tl_scores;
 static __thread int64_t tl_cap;
 
 // row b's query heads of KV head kvh (one task: their keys and values are read while still in cache)
-static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int kvh, int exact) {
+// Long contexts are split into parts (flash-decoding): a row's context of n tokens is attended in
+// min(MAX_PARTS, n / SPLIT_TOKENS) parts, a number decided by n alone, so a row's result depends neither on
+// the rows beside it nor on the team's size; below 2 * SPLIT_TOKENS it is one pass, as without parts. The
+// plan gives each (row, KV head) P tasks (aux: task j | P << 8); task j attends parts j, j + P, ... and leaves
+// each part's heads' outputs, score max and exp-sum in attn_part. The task that completes the last part (a
+// counter per (row, KV head)) merges them in part order (ss_attend_merge), so timing never changes a result.
+// What this buys: one row's long-context attention shared by the team instead of a thread per KV head.
+#define SPLIT_TOKENS 256
+#define MAX_PARTS 8
+static float *attn_part;                   // [rows][KVH][MAX_PARTS][group][D], then [MAX_PARTS][group][2]
+static int64_t attn_part_cap;
+static _Atomic int32_t *attn_done;         // parts completed per (layer, row, KV head)
+static int64_t attn_done_cap;
+
+// before a step (one thread): room for its rows' parts, counters zeroed
+static void attn_parts_reset(const SSModel *m, int rows) {
+    const int64_t floats = (int64_t)rows * m->heads * MAX_PARTS * (m->head_dim + 2),
+                  pairs = (int64_t)m->n_layers * rows * m->kv_heads;
+    if (floats > attn_part_cap) {
+        free(attn_part);
+        attn_part = (float *)malloc(sizeof(float) * (size_t)floats);
+        attn_part_cap = floats;
+    }
+    if (pairs > attn_done_cap) {
+        free((void *)attn_done);
+        attn_done = (_Atomic int32_t *)malloc(sizeof(int32_t) * (size_t)pairs);
+        attn_done_cap = pairs;
+    }
+    for (int64_t i = 0; i < pairs; i++) atomic_store_explicit(&attn_done[i], 0, memory_order_relaxed);
+}
+
+static __thread float *tl_scores;
+static __thread int64_t tl_cap;
+
+static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int kvh, int aux, int exact) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, group = H / KVH;
+    const int task = aux & 0xff, tasks = aux >> 8 > 1 ? aux >> 8 : 1;
     int64_t n = s->starts[b + 1] - s->starts[b];
     const int64_t *sl = s->read_slots + s->starts[b];
     if (L->window > 0 && n > L->window) {   // a sliding-window layer: the row's last `window` positions
         sl += n - L->window;
         n = L->window;
     }
-    if (n * group > tl_cap) {
+    const int parts = n / SPLIT_TOKENS > MAX_PARTS ? MAX_PARTS : n / SPLIT_TOKENS < 2 ? 1 : (int)(n / SPLIT_TOKENS);
+    if (parts == 1 && task > 0) return;
+    const int64_t longest = (n + parts - 1) / parts;
+    if (longest * group > tl_cap) {
         free(tl_scores);
-        tl_cap = n * group > 4096 ? n * group : 4096;
+        tl_cap = longest * group > 4096 ? longest * group : 4096;
         tl_scores = (float *)malloc(sizeof(float) * tl_cap);
     }
     const int h0 = kvh * group;
-    ss_attend_heads(s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D, group, L->kcache, L->vcache, L->kv_f16, KVH,
-                    kvh, D, sl, n, m->attn_scale, m->attn_softcap, tl_scores, s->attn.f + (int64_t)b * H * D + h0 * D);
+    const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D;
+    float *out = s->attn.f + (int64_t)b * H * D + h0 * D;
+    if (parts == 1) {
+        ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_f16, KVH, kvh, D, sl, n, m->attn_scale,
+                        m->attn_softcap, tl_scores, out, NULL);
+    } else {
+        float *mine = attn_part + (int64_t)(b * KVH + kvh) * MAX_PARTS * group * (D + 2);
+        float *ml = mine + (int64_t)MAX_PARTS * group * D;
+        int did = 0;
+        for (int part = task; part < parts; part += tasks, did++) {
+            const int64_t lo = n * part / parts, hi = n * (part + 1) / parts;
+            ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_f16, KVH, kvh, D, sl + lo, hi - lo, m->attn_scale,
+                            m->attn_softcap, tl_scores, mine + (int64_t)part * group * D, ml + part * group * 2);
+        }
+        // release our parts; the task whose parts complete the count (acquiring everyone's) merges them
+        if (did == 0 || atomic_fetch_add_explicit(&attn_done[((int64_t)(L - m->layers) * s->rows + b) * KVH + kvh], did,
+                                                memory_order_acq_rel) + did != parts)
+            return;
+        ss_attend_merge(mine, ml, parts, group, D, out);
+    }
     if (D % 32 == 0) prepare(&s->attn, b, H * D, kvh * group * D, (kvh + 1) * group * D, exact);
 }
 
@@ -450,7 +507,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         break;
     }
     case OP_ATTN:
-        attention(m, s, L, t->t0, t->t1, exact);
+        attention(m, s, L, t->t0, t->t1, t->aux, exact);
         break;
     case OP_PREP:
         prepare(&s->attn, t->t0, H * D, 0, H * D, exact);
@@ -692,6 +749,7 @@ void ss_step(const SSModel *model, const SSStep *step, const SSTask *tasks, int 
              int32_t *events, int n_events, int exact) {
     pthread_mutex_lock(&T.lock);
     memset(events, 0, sizeof(int32_t) * (size_t)n_events);
+    attn_parts_reset(model, step->rows);
     T.model = model;
     T.step = step;
     T.tasks = tasks;
