@@ -69,10 +69,13 @@ static void raw_rows(int t, const char *name) {
             else memcpy(p, &h, 2);
             if (t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K) memcpy(p + 2, &h, 2);
         }
-    uint8_t *rw = NULL;   // Q5_0, Q5_1, IQ4_NL: also re-blocked as at load (QT_R_*)
-    if (t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL) {
+    uint8_t *rw = NULL;   // Q5_0, Q5_1, IQ4_NL, Q6_K: also re-blocked as at load (QT_R_*)
+    if (t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL || (t == QT_Q6_K && K % 256 == 0)) {
         rw = malloc(row * N);
-        for (int n = 0; n < N; n++) qt_rb_pack_row(t, w + n * row, K, rw + n * row);
+        for (int n = 0; n < N; n++) {
+            if (t == QT_Q6_K) qt_rb6_pack_row(w + n * row, K, rw + n * row);
+            else qt_rb_pack_row(t, w + n * row, K, rw + n * row);
+        }
     }
     for (int nb = 1; nb <= 8; nb *= 8) {
         double fused = 1e9, decoded = 1e9;

@@ -8,9 +8,9 @@ A `Linear` holds an [N, K] weight in one of three ways:
     8-bit: `data` int8 [N, K], `scale` [N, K/32];                      w = scale * q
   with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0) or fp32 (Q4_K's products of a
   fp16 scale and a 6-bit one);
-- re-blocked, from Q5_0, Q5_1 and IQ4_NL (when K is a multiple of 64 and the native kernels are
-  built): the same bytes per row as the file's blocks, laid out by planes (codes, fifth bits, fp16
-  scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
+- re-blocked, from Q5_0, Q5_1, IQ4_NL and Q6_K (when K is a multiple of 64 and the native kernels
+  are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
+  bits, scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
 - raw: every other ggml type (Q2_K..Q6_K, IQ4_XS, F16, BF16, and the three above otherwise) as the
   file's own blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h`
   decodes them block by block inside the products).
@@ -42,7 +42,7 @@ RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q
              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
              20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
 # ggml types re-blocked at load -> our format id (100 + the ggml id; qtypes.h's QT_R_*)
-REBLOCK = {6: 106, 7: 107, 20: 120}
+REBLOCK = {6: 106, 7: 107, 14: 114, 20: 120}
 REBLOCKED = {v: k for k, v in REBLOCK.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
@@ -154,6 +154,18 @@ class Linear:
         nib = d[:, :16 * g].reshape(n, g // 2, 1, 32)
         c4 = np.concatenate([nib & 15, nib >> 4], axis=2).reshape(n, g, 32)   # low 4 bits of each code
         parts = []
+        if src == 14:   # Q6_K: ql[128] qh[64] scales[16] d per 256 weights
+            s = g // 8
+            hi = d[:, 16 * g:24 * g].reshape(n, g // 4, 1, 32)
+            top = ((hi >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3).reshape(n, g, 32)
+            c = (c4 | (top << 4)).reshape(n, s, 2, 4, 32)           # element 128 h + 32 j + l
+            lo, up = c & 15, c >> 4
+            ql = (lo[:, :, :, 0:2] | (lo[:, :, :, 2:4] << 4)).reshape(n, s, 128)
+            qh = (up[:, :, :, 0] | (up[:, :, :, 1] << 2) | (up[:, :, :, 2] << 4) | (up[:, :, :, 3] << 6)).reshape(n, s, 64)
+            sc = d[:, 24 * g:26 * g].reshape(n, s, 2, 8).transpose(0, 1, 3, 2).reshape(n, s, 16)
+            blocks = [ql, qh, sc, d[:, 26 * g:].reshape(n, s, 2)]
+            raw = np.ascontiguousarray(np.concatenate(blocks, axis=2).astype(np.uint8).reshape(n, -1))
+            return Linear(n, self.k, torch.from_numpy(raw), src, bias=self.bias)
         if src == 20:
             parts.append(d[:, 16 * g:18 * g].reshape(n, g, 2))
         else:
@@ -173,12 +185,14 @@ class Linear:
 
     def block_cols(self, c0: int, c1: int) -> "Linear | None":
         """Columns [c0, c1) of a re-blocked weight, still packed (None when they do not start and end
-        on its blocks of 32)."""
-        if not self.reblocked or c0 % 32 or c1 % 32:
+        on the blocks it came from)."""
+        if not self.reblocked:
             return None
         g = self.ggml_blocks()
-        bb = RAW_TYPES[g.fmt][2]
-        return Linear.from_raw(g.fmt, g.data[:, c0 // 32 * bb:c1 // 32 * bb].contiguous(), self.n, c1 - c0)
+        _, qk, bb = RAW_TYPES[g.fmt]
+        if c0 % qk or c1 % qk:
+            return None
+        return Linear.from_raw(g.fmt, g.data[:, c0 // qk * bb:c1 // qk * bb].contiguous(), self.n, c1 - c0)
 
     @staticmethod
     def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":

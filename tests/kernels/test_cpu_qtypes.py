@@ -129,13 +129,15 @@ def test_stacked_parts_of_different_types() -> None:
     assert w.format_name == "Q4_K+Q6_K+F32"
 
 
-@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q5_1, QT.IQ4_NL], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [512, 576, 192])   # G % 4 == 0, 2 (the last pair), 2
 def test_reblocked_rows(qt: QT, k: int) -> None:
-    """Q5_0, Q5_1 and IQ4_NL re-blocked at load (qtypes.h's QT_R_*): the same bytes per row, every
+    """Q5_0, Q5_1, IQ4_NL and Q6_K re-blocked at load (qtypes.h's QT_R_*): the same bytes per row, every
     weight bit-exact, the ggml blocks recovered exactly, the exact path's products bit-identical
     to the blocks read in place and the fast path's equal up to fp32 summation order."""
     n = 6
+    if k % gguf.GGML_QUANT_SIZES[qt][0]:
+        k = 768   # Q6_K: whole super-blocks
     blocks = random_blocks(qt, n, k, seed=11)
     w = Linear.from_raw(int(qt), blocks, n, k)
     raw = Linear.from_raw(int(qt), blocks, n, k, reblock=False)

@@ -20,7 +20,7 @@ enum {
     // ours: Q5_0, Q5_1 and IQ4_NL re-blocked at load (weights/quant.py), 100 + the ggml type; same
     // bytes per row as the ggml blocks, laid out by planes so the products read them as the 4-bit
     // kernels read theirs (see qt_rb_q8_row)
-    QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_IQ4_NL = 120,
+    QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_Q6_K = 114, QT_R_IQ4_NL = 120,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -42,6 +42,7 @@ static inline int qt_block(int t) {
     case QT_F16: case QT_BF16: return 1;
     case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q5_1: case QT_Q8_0: case QT_IQ4_NL: return 32;
     case QT_R_Q5_0: case QT_R_Q5_1: case QT_R_IQ4_NL: return 32;
+    case QT_R_Q6_K: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     default: return 0;
     }
@@ -52,7 +53,7 @@ static inline int qt_bytes(int t) {
     case QT_F16: case QT_BF16: return 2;
     case QT_Q4_0: return 18; case QT_Q4_1: return 20; case QT_Q5_0: return 22; case QT_Q5_1: return 24;
     case QT_Q8_0: return 34; case QT_IQ4_NL: return 18;
-    case QT_R_Q5_0: return 22; case QT_R_Q5_1: return 24; case QT_R_IQ4_NL: return 18;
+    case QT_R_Q5_0: return 22; case QT_R_Q5_1: return 24; case QT_R_IQ4_NL: return 18; case QT_R_Q6_K: return 210;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     default: return 0;
@@ -485,12 +486,142 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
 }
 #endif
 
+// -- Q6_K re-blocked at load (QT_R_Q6_K) ----------------------------------------------------------------
+// A row of K = 256 S weights (G = 8 S groups of 32, in the weights' own order) keeps the 210 bytes per
+// 256 of ggml's blocks, by planes: the codes' low 4 bits as QT_R_Q5's (16 G bytes, pairs of groups);
+// their top 2 bits, groups in fours, 32 bytes per four (bits 2i, 2i + 1 of byte j: element j of group i);
+// per super-block the 16 int8 sub-block scales, each group's first sub-block's in bytes 0-7 and its
+// second's in bytes 8-15 (so one byte shuffle spreads a group's two scales over its products), then the
+// fp16 super-block scales. Codes are 6-bit unsigned: w = d sc (c - 32).
+AI void qt_rb6_unpack(const uint8_t *w, int K, int blk, const QTOut *o) {
+    const int G = K / 32;
+    const uint8_t *hi = w + 16 * G, *scb = w + 24 * G + 16 * blk;
+    const float d = qt_f16(w + 26 * G + 2 * blk);
+    for (int i = 0; i < 8; i++) {
+        o->sc[2 * i] = d * (float)(int8_t)scb[i];
+        o->sc[2 * i + 1] = d * (float)(int8_t)scb[8 + i];
+        o->mn[2 * i] = o->mn[2 * i + 1] = 0.f;
+    }
+#if defined(SS_AVX2)
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    for (int qd = 0; qd < 2; qd++) {
+        const uint8_t *pb = w + 128 * blk + 64 * qd;
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)pb), v1 = _mm256_loadu_si256((const __m256i *)(pb + 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + 64 * blk + 32 * qd));
+        int8_t *q = o->q + 128 * qd;
+        qt_store(q, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)), k32));
+        qt_store(q + 32, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)), k32));
+        qt_store(q + 64, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(h, m30)), k32));
+        qt_store(q + 96, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4),
+                                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)), k32));
+    }
+    if (0)
+#endif
+    for (int gi = 0; gi < 8; gi++) {
+        const int g = 8 * blk + gi;
+        const uint8_t *pb = w + 32 * (g / 2), *hb = hi + 32 * (g / 4);
+        for (int j = 0; j < 32; j++) {
+            const int c = ((pb[j] >> (4 * (g & 1))) & 15) | (((hb[j] >> (2 * (g & 3))) & 3) << 4);
+            o->q[32 * gi + j] = (int8_t)(c - 32);
+        }
+    }
+}
+
+// block blk of a row of type t (the re-blocked Q6_K's planes, or ggml's blocks)
+AI void qt_unpack_at(const int t, const uint8_t *w, int K, int blk, const QTOut *o) {
+    if (t == QT_R_Q6_K) qt_rb6_unpack(w, K, blk, o);
+    else qt_unpack(t, w + (int64_t)blk * qt_bytes(t), o);
+}
+
+// one row of Q6_K blocks (K = 256 S) -> the re-blocked row (same bytes)
+static inline void qt_rb6_pack_row(const uint8_t *src, int K, uint8_t *dst) {
+    const int G = K / 32;
+    uint8_t *hi = dst + 16 * G;
+    memset(dst, 0, (size_t)210 * (K / 256));
+    QTBlock u;
+    for (int blk = 0; blk < K / 256; blk++) {
+        const uint8_t *b = src + (int64_t)blk * 210;
+        qt_unpack(QT_Q6_K, b, &(QTOut){u.q, u.sc, u.mn});
+        for (int gi = 0; gi < 8; gi++) {
+            const int g = 8 * blk + gi;
+            for (int j = 0; j < 32; j++) {
+                const int c = u.q[32 * gi + j] + 32;
+                dst[32 * (g / 2) + j] |= (uint8_t)((c & 15) << (4 * (g & 1)));
+                hi[32 * (g / 4) + j] |= (uint8_t)((c >> 4) << (2 * (g & 3)));
+            }
+            dst[24 * G + 16 * blk + gi] = b[192 + 2 * gi];
+            dst[24 * G + 16 * blk + 8 + gi] = b[192 + 2 * gi + 1];
+        }
+        memcpy(dst + 26 * G + 2 * blk, b + 208, 2);
+    }
+}
+
+#if defined(SS_AVX2)
+#ifndef QT_RB6_LANES
+#define QT_RB6_LANES 2   // from this many activation rows on, lane-wise accumulation
+#endif
+#ifndef QT_RB6_ROWS_MAX
+#define QT_RB6_ROWS_MAX 3   // from this many rows on, the decoded-block path (in cache: as fast as the raw blocks)
+#endif
+// fast product of one re-blocked Q6_K row: codes - 32 signed (their sign moves to the activation), each
+// group's two sub-block scales applied in the integer sums (vpmaddwd), four groups per reduction
+AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb, float *out) {
+    const int G = K / 32;
+    const uint8_t *hi = w + 16 * G, *scb = w + 24 * G, *dh = w + 26 * G;
+    __m128 acc[MAX_ROWS];
+    __m256 acc8[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc8[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    for (int sb = 0; sb < K / 256; sb++) {
+        const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb));
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scb + 16 * sb)));
+        for (int qd = 0; qd < 2; qd++) {
+            const int g = 8 * sb + 4 * qd;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
+            __m256i ws[4] = {
+                _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(h, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+            __m256i wa[4], sp[4];
+            for (int j = 0; j < 4; j++) {
+                ws[j] = _mm256_sub_epi8(ws[j], k32);
+                wa[j] = _mm256_sign_epi8(ws[j], ws[j]);
+                const int gi = 4 * qd + j;
+                sp[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((2 * gi) | ((2 * gi + 1) << 8))));
+            }
+            for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + g * 32;
+                __m256i p[4];
+                for (int j = 0; j < 4; j++) {
+                    const __m256i av = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), ws[j]);
+                    p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], av), sp[j]);
+                }
+                const __m128 f = _mm_mul_ps(dv, _mm_loadu_ps(xd + (int64_t)b * G + g));
+                if (nb >= QT_RB6_LANES) {   // many rows: no horizontal sums per row, a lane-wise fma per group
+                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[0]), _mm256_set1_ps(f[0]), acc8[b]);
+                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[1]), _mm256_set1_ps(f[1]), acc8[b]);
+                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), _mm256_set1_ps(f[2]), acc8[b]);
+                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[3]), _mm256_set1_ps(f[3]), acc8[b]);
+                } else {
+                    acc[b] = _mm_fmadd_ps(f, _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc8[b]);
+}
+#endif
+
 // -- fast product: one weight row of block type t against nb int8 activation rows ------------------
 // xs: the activation's per-32 sums (d * sum of codes), for the offsets of types whose minimum is
 // per 32 weights; Q2_K's per-16 minimum sums the codes itself
 // Types whose scale (and minimum) is shared by 32 weights: a whole row is decoded first, then
 // multiplied by the 8-bit layout's kernels (four groups per reduction), plus the offset term.
-AI int qt_per32(const int t) { return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K; }
+AI int qt_per32(const int t) { return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K && t != QT_R_Q6_K; }
 
 AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
     if (qt_rb(t)) {
@@ -530,7 +661,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), accm[b] = 0.f;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
+        qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int c = 0; c < QK / 32; c++) {
             const __m256i qv = _mm256_loadu_si256((const __m256i *)(u.q + 32 * c));
             const __m256i qa = _mm256_sign_epi8(qv, qv);
@@ -558,7 +689,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     (void)xs;
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
+        qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             const int g = (blk * QK + 16 * s) / 32;
             const int8_t *qs = u.q + 16 * s;
@@ -589,7 +720,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
 
 // one compiled body per type (the decoder's switch folds away)
 #define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
-    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL)
+    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_Q6_K)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
@@ -598,7 +729,12 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
     switch (t) {
 #define QT_RB_ROWS(NB) qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out)
 #define QT_RB_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
+#define QT_RB6_ROWS(NB) qt_rb6_q8_row(w, K, xq, xd, NB, out)
     QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL)
+    case QT_R_Q6_K:   // from QT_RB6_ROWS_MAX rows on the decoded-block path below is faster
+        if (nb < QT_RB6_ROWS_MAX) { SS_BY_ROWS(nb, QT_RB6_ROWS) return; }
+        break;
+#undef QT_RB6_ROWS
 #undef QT_RB_CASE
 #undef QT_RB_ROWS
     }
@@ -649,7 +785,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
     __m256 acc[MAX_ROWS];
     for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
+        qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             const __m128i q16 = _mm_loadu_si128((const __m128i *)(u.q + 16 * s));
             const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16));
@@ -668,7 +804,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
 #else
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
+        qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
             for (int b = 0; b < nb; b++) {
                 const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
@@ -715,7 +851,7 @@ static void qt_dequant_row(int t, const uint8_t *w, int K, float *out) {
     const int QK = qt_block(t), BB = qt_bytes(t);
     QTBlock u;
     for (int blk = 0; blk < K / QK; blk++) {
-        qt_unpack(t, w + (int64_t)blk * BB, &(QTOut){u.q, u.sc, u.mn});
+        qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int i = 0; i < QK; i++) {
             float v = u.sc[i / 16] * (float)u.q[i];
             if (qt_has_min(t)) v = v + u.mn[i / 16];

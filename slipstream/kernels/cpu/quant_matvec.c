@@ -121,10 +121,13 @@ void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) 
     }
 }
 
-// Q5_0, Q5_1 and IQ4_NL blocks (qtype: the ggml type) of n rows of K weights -> the re-blocked
-// rows of qtypes.h's QT_R_* layout (K a multiple of 64; same bytes per row)
+// Q5_0, Q5_1, IQ4_NL or Q6_K blocks (qtype: the ggml type) of n rows of K weights -> the re-blocked
+// rows of qtypes.h's QT_R_* layouts (K a multiple of 64, of 256 for Q6_K; same bytes per row)
 void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
-    const int64_t row = (int64_t)K / 32 * qt_bytes(qtype);
+    const int64_t row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
 #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++) qt_rb_pack_row(qtype, src + r * row, K, dst + r * row);
+    for (int64_t r = 0; r < n; r++) {
+        if (qtype == QT_Q6_K) qt_rb6_pack_row(src + r * row, K, dst + r * row);
+        else qt_rb_pack_row(qtype, src + r * row, K, dst + r * row);
+    }
 }
