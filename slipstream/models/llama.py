@@ -198,8 +198,10 @@ class DecoderModel:
                 mask = j <= (s.context - s.length + i)
         if softcap is not None:
             return self._softcapped(qh, kh, vh, mask, causal, scale, softcap).transpose(0, 1).to(out_dtype)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
-                                             enable_gqa=kh.shape[0] != qh.shape[0])
+        # with a batch dimension: torch's CPU flash kernel takes only 4-D inputs; 3-D ones go to the
+        # unfused path (measured on the 2-core CPU: 512-token causal prefill, 9 heads over 3, 24.6 -> 6.1 ms)
+        out = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], attn_mask=mask, is_causal=causal,
+                                             scale=scale, enable_gqa=kh.shape[0] != qh.shape[0])[0]
         return out.transpose(0, 1).to(out_dtype)
 
     @staticmethod
