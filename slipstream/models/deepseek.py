@@ -267,8 +267,9 @@ class DeepseekModel:
             qs = q[s.start:s.start + s.length].transpose(0, 1)
             ks, vs = _read(kv.k[li], s).transpose(0, 1), _read(kv.v[li], s).transpose(0, 1)
             mask = _causal(s)
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale,
-                                                       enable_gqa=KVH != H).transpose(0, 1))
+            # 4-D: torch's CPU flash kernel takes no 3-D inputs (llama.py's _attention)
+            outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=self.scale,
+                                                       enable_gqa=KVH != H)[0].transpose(0, 1))
         attn = outs[0] if len(outs) == 1 else torch.cat(outs)
         return _linear(attn.reshape(T, H * D), L.o, L.o_bias)
 
