@@ -21,12 +21,15 @@ class DraftModelProposer:
     name = "draft"
 
     def __init__(self, model, k: int, kv_tokens: int = 16384, block_size: int = 16):
-        from slipstream.runtime.registry import build_decoder, unsupported
+        from slipstream.runtime.registry import build_decoder, kv_cache_dtype, new_kv_cache, unsupported
 
         self.model = model
         self.k = k
-        self.kv = model.new_kv_cache(-(-kv_tokens // block_size), block_size)
-        self.runtime = build_decoder("native" if unsupported("native", model) is None else "eager", model, self.kv)
+        name = "native" if unsupported("native", model) is None else "eager"
+        # the draft's cache as the target's would be under its runtime (fp16 on the native fast path): its
+        # guesses are checked by the target, so only their acceptance could change, never the output
+        self.kv = new_kv_cache(model, -(-kv_tokens // block_size), block_size, kv_cache_dtype("auto", name, model))
+        self.runtime = build_decoder(name, model, self.kv)
         self.seqs: dict[str, SequenceKV] = {}
 
     def _catch_up(self, r: Request, seq: SequenceKV) -> None:

@@ -204,6 +204,7 @@ def test_the_target_itself_as_draft_is_lossless_and_almost_always_right(llm):
     sampled = run(e, PROMPTS[1:3], SamplingParams(max_tokens=24, temperature=0.9, ignore_eos=True))
     assert [len(r.output_ids) for r in sampled] == [24, 24]
     assert e.proposer.kv.allocator.num_in_use == 0 and not e.proposer.seqs   # the draft's KV is freed too
+    assert e.proposer.runtime.name == "native" and e.proposer.kv.k.dtype == torch.float16   # as the target's
 
 
 def test_a_poor_draft_model_changes_nothing_but_speed(llm, tmp_path):
