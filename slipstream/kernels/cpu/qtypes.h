@@ -9,6 +9,8 @@
 //   fast:  int8 activations per group of 32 (simd.h's ss_quantize_row) x int8 codes, per-16 scales;
 //   exact: fp32 activations.
 // F16 and BF16 rows are widened to fp32 and multiplied with fp32 activations on both paths.
+// Q5_0, Q5_1, IQ4_NL and Q6_K are re-blocked at load into planar rows of the same size (QT_R_*, below),
+// which the fast path multiplies in registers as simd.h's q4 kernel does its layout.
 #pragma once
 #include <alloca.h>
 
