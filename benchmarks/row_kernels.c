@@ -4,6 +4,11 @@
 // nanosecond and per cycle at an assumed 3 GHz, for:
 //   q4 one row per pass   (the re-blocked Q4_0/Q4_1/Q4_K layout; a two-rows-per-pass variant measured
 //                          faster here, in cache, but slower in the decode step, 110 vs 131 tok/s: removed)
+//   q4 fp16 scales, paired  simd.h's q4p_row as the step calls it (two groups per step, the file's fp16
+//                          scales, activations paired once per step). -O3, Zen 3, 2026-11-24: rows 1
+//                          27-28 MAC/ns against 19-20 for q4q8_row above, rows 8 44-52 against 27-37.
+//                          The same kernel pairing the activations itself (vperm2i128 per pair and
+//                          row) was no faster than q4q8_row at 8 rows: the step pairs them once.
 //   raw GGUF blocks through qt_q8_row (the step's path), for Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K.
 //   Blocks decoded into registers and multiplied straight away ran 1.6-3x faster than qt_q8_row here, in
 //   cache, and 2-9% slower in the decode step (benchmarks/cpu_decode.py on llama.cpp-quantized files,
@@ -14,12 +19,15 @@
 //   MAC/ns, rows 8: 23.3 vs 24.0; 2026-11-24, loaded machine, same run): not kept.
 // The kernels run with the row count as a compile-time constant (SS_BY_ROWS), as the step calls them.
 //
-//   gcc -O2 -march=native -o /tmp/row_kernels benchmarks/row_kernels.c -lm && /tmp/row_kernels
+//   gcc -O3 -march=native -o /tmp/row_kernels benchmarks/row_kernels.c -lm && /tmp/row_kernels
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
 #include "../slipstream/kernels/cpu/qtypes.h"
+
+// keeps the compiler from dropping products whose results are never read
+#define SINK(p) __asm__ volatile("" ::"r"(p) : "memory")
 
 enum { K = 576, N = 1536, G = K / 32, REPS = 200 };
 
@@ -47,13 +55,32 @@ static void q4_rows(void) {
         for (int r = 0; r < REPS; r++) {
             double t = now();
             // the row count is a compile-time constant in each call, as in the step (SS_BY_ROWS)
-#define Q4Q(NB) for (int n = 0; n < N; n++) q4q8_row(w + (size_t)n * K / 2, sc + n * G, mn + n * G, G, xq, xd, xs, NB, out)
+#define Q4Q(NB) for (int n = 0; n < N; n++) { q4q8_row(w + (size_t)n * K / 2, sc + n * G, mn + n * G, G, xq, xd, xs, NB, out); SINK(out); }
             SS_BY_ROWS(nb, Q4Q)
 #undef Q4Q
             if (now() - t < one) one = now() - t;
         }
         report("q4, one row per pass", nb, one);
     }
+#if defined(SS_AVX2) && defined(__F16C__)
+    // as the step runs it: fp16 scales read as they are, activations paired beforehand (ss_pair_groups)
+    uint16_t *sh = malloc(sizeof(uint16_t) * N * G), *mh = malloc(sizeof(uint16_t) * N * G);
+    for (int i = 0; i < N * G; i++) sh[i] = 0x211f, mh[i] = 0xa666;   // ~0.01, ~-0.05
+    static int8_t xp[8 * K];
+    static float xe[8 * 4 * G];
+    for (int b = 0; b < 8; b++) ss_pair_groups(xq + b * K, xd + b * G, K, 0, G, xp + b * K, xe + b * 4 * G);
+    for (int nb = 1; nb <= 8; nb *= 2) {
+        double one = 1e9;
+        for (int r = 0; r < REPS; r++) {
+            double t = now();
+#define Q4P(NB) for (int n = 0; n < N; n++) { q4p_row(w + (size_t)n * K / 2, sh + n * G, mh + n * G, 1, 1, G, xp, xd, xe, xs, NB, out); SINK(out); }
+            SS_BY_ROWS(nb, Q4P)
+#undef Q4P
+            if (now() - t < one) one = now() - t;
+        }
+        report("q4, fp16 scales, paired", nb, one);
+    }
+#endif
 }
 
 static void raw_rows(int t, const char *name) {
@@ -81,7 +108,7 @@ static void raw_rows(int t, const char *name) {
         double fused = 1e9, decoded = 1e9;
         for (int r = 0; r < REPS / 4; r++) {
             double t0 = now();
-#define QTQ(NB) for (int n = 0; n < N; n++) qt_q8_row(t, w + n * row, K, xq, xd, xs, NB, out)
+#define QTQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(t, w + n * row, K, xq, xd, xs, NB, out); SINK(out); }
             SS_BY_ROWS(nb, QTQ)
 #undef QTQ
             if (now() - t0 < fused) fused = now() - t0;
@@ -104,7 +131,7 @@ static void raw_rows(int t, const char *name) {
             double best = 1e9;
             for (int r = 0; r < REPS / 4; r++) {
                 double t0 = now();
-#define RBQ(NB) for (int n = 0; n < N; n++) qt_q8_row(100 + t, rw + n * row, K, xq, xd, xs, NB, out1)
+#define RBQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(100 + t, rw + n * row, K, xq, xd, xs, NB, out1); SINK(out1); }
                 SS_BY_ROWS(nb, RBQ)
 #undef RBQ
                 if (now() - t0 < best) best = now() - t0;

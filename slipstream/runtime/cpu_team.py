@@ -78,9 +78,13 @@ class _Act:
         self.q = torch.zeros(rows, k, dtype=torch.int8)
         self.d = torch.zeros(rows, max(1, k // 32), dtype=torch.float32)
         self.s = torch.zeros(rows, max(1, k // 32), dtype=torch.float32)
+        # the codes again, paired for the AVX2 q4 product, and their scales four times each
+        self.p = torch.zeros(rows, k, dtype=torch.int8)
+        self.e = torch.zeros(rows, 4 * max(1, k // 32), dtype=torch.float32)
 
     def struct(self) -> SSAct:
-        return SSAct(self.f.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr())
+        return SSAct(self.f.data_ptr(), self.q.data_ptr(), self.d.data_ptr(), self.s.data_ptr(), self.p.data_ptr(),
+                     self.e.data_ptr())
 
 
 class _Buffers:

@@ -126,6 +126,73 @@ static int check_exp(void) {
     return ok;
 }
 
+// the fast q4 product at widths that exercise every step of the AVX2 kernel (8-group chunks, a pair
+// after them, an odd last group), at 1-8 rows, with fp32 scales and (AVX2 + F16C) fp16 ones
+static int check_q4_widths(void) {
+    enum { KMAX = 1056, GMAX = KMAX / 32 };
+    static uint8_t w[KMAX / 2];
+    static int8_t xq[MAX_ROWS][KMAX];
+    static float x[MAX_ROWS][KMAX], sc[GMAX], mn[GMAX], xd[MAX_ROWS][GMAX], xs[MAX_ROWS][GMAX];
+    static uint16_t sch[GMAX], mnh[GMAX];
+    const int Gs[] = {1, 2, 3, 6, 8, 9, 10, 17, 18, 24, 33};
+    int ok = 1;
+    for (int gi = 0; gi < (int)(sizeof Gs / sizeof Gs[0]); gi++) {
+        const int G = Gs[gi], K = G * 32;
+        for (int i = 0; i < K / 2; i++) w[i] = (uint8_t)irand(0, 255);
+        for (int g = 0; g < G; g++) {
+            // fp16-exact values, so that the fp16 and fp32 scales are the same numbers
+            sch[g] = (uint16_t)(0x2000 + irand(0, 0x0fff));
+            mnh[g] = (uint16_t)(0xa000 + irand(0, 0x0fff));
+            sc[g] = ss_half_to_f32(sch[g]);
+            mn[g] = ss_half_to_f32(mnh[g]);
+        }
+        for (int r = 0; r < MAX_ROWS; r++) {
+            for (int i = 0; i < K; i++) x[r][i] = frand() * 3.0f;
+            ss_quantize_row(x[r], K, xq[r], xd[r], xs[r]);
+        }
+        for (int nb = 1; nb <= MAX_ROWS; nb++) {
+            float out[MAX_ROWS];
+            double want[MAX_ROWS] = {0};
+            for (int r = 0; r < nb; r++)
+                for (int g = 0; g < G; g++) {
+                    long s4 = 0, sq = 0;
+                    for (int j = 0; j < 32; j++) {
+                        const uint8_t b = w[g * 16 + (j & 15)];
+                        s4 += (j < 16 ? (b & 15) : (b >> 4)) * xq[r][g * 32 + j];
+                        sq += xq[r][g * 32 + j];
+                    }
+                    want[r] += (double)sc[g] * xd[r][g] * s4 + (double)mn[g] * xd[r][g] * sq;
+                }
+            // the kernels take rows with stride K, as the step lays them out
+            static int8_t xqc[MAX_ROWS * KMAX];
+            static float xdc[MAX_ROWS * GMAX], xsc[MAX_ROWS * GMAX];
+            for (int r = 0; r < nb; r++) {
+                memcpy(xqc + r * K, xq[r], K);
+                memcpy(xdc + r * G, xd[r], sizeof(float) * G);
+                memcpy(xsc + r * G, xs[r], sizeof(float) * G);
+            }
+            q4q8_row(w, sc, mn, G, xqc, xdc, xsc, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 widths", G * 100 + nb);
+#if defined(SS_AVX2) && defined(__F16C__)
+            q4p_row(w, sch, mnh, 1, 0, G, xqc, xdc, NULL, xsc, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 fp16 scales", G * 100 + nb);
+            // the activations paired beforehand, as the step does (each row in two tiles, split at an
+            // odd group when there is one)
+            static int8_t xp[MAX_ROWS * KMAX];
+            static float xe[MAX_ROWS * 4 * GMAX];
+            for (int r = 0; r < nb; r++) {
+                const int cut = G / 2 | 1;
+                ss_pair_groups(xqc + r * K, xdc + r * G, K, cut < G ? cut : G, G, xp + r * K, xe + r * 4 * G);
+                ss_pair_groups(xqc + r * K, xdc + r * G, K, 0, cut < G ? cut : G, xp + r * K, xe + r * 4 * G);
+            }
+            q4p_row(w, sch, mnh, 1, 1, G, xp, xdc, xe, xsc, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired", G * 100 + nb);
+#endif
+        }
+    }
+    return ok;
+}
+
 int main(void) {
     enum { N = 5, K = 192, G = K / 32, R = 3 };
     static uint8_t w4[N][K / 2];
@@ -187,6 +254,7 @@ int main(void) {
     ss_axpy(o, 0.5f, x[2], K);
     for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
     ok &= check_qtypes();
+    ok &= check_q4_widths();
     ok &= check_exp();
     printf("%s %s\n", ss_isa_name(), ok ? "ok" : "FAILED");
     return ok ? 0 : 1;

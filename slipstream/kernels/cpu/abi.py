@@ -49,7 +49,7 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 
 class SSAct(ctypes.Structure):
     """An activation: fp32 rows, and for the fast path their int8 codes, group scales and sums."""
-    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P)]
+    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P), ("p", _P), ("e", _P)]   # p, e: simd.h ss_pair_groups
 
 
 class SSStep(ctypes.Structure):

@@ -45,6 +45,9 @@
 
 #define AI static inline __attribute__((always_inline))
 #define MAX_ROWS 8   // activation rows that share one pass over a weight row
+#ifndef SS_Q4_PAIRS
+#define SS_Q4_PAIRS 1   // the step's AVX2 q4 products through q4p_row (paired activations); 0: q4q8_row
+#endif
 
 // -- which path this build runs --------------------------------------------------------------------
 static inline const char *ss_isa_name(void) {
@@ -284,12 +287,136 @@ AI void ss_quantize_row(const float *x, int K, int8_t *q, float *d, float *s) {
     }
 }
 
+// Groups [g0, g1) of a row of K int8 codes q, copied into p paired as q4p_row reads them: groups 2i
+// and 2i+1 become [2i: 0-15 | 2i+1: 0-15] [2i: 16-31 | 2i+1: 16-31]; an odd last group stays as it
+// is. Each group's two halves have their own places, so tiles of a row may pair their groups apart.
+// e[4g..4g+3] = d[g] (the group scales as q4p_row's lanes want them).
+AI void ss_pair_groups(const int8_t *q, const float *d, int K, int g0, int g1, int8_t *p, float *e) {
+    const int G = K / 32;
+    for (int g = g0; g < g1; g++) {
+        e[4 * g] = e[4 * g + 1] = e[4 * g + 2] = e[4 * g + 3] = d[g];
+        if (g == G - 1 && (G & 1)) {
+            memcpy(p + g * 32, q + g * 32, 32);
+            continue;
+        }
+        const int base = (g & ~1) * 32 + (g & 1) * 16;
+        memcpy(p + base, q + g * 32, 16);
+        memcpy(p + base + 32, q + g * 32 + 16, 16);
+    }
+}
+
 // sum_g mn[g] * xs[g] (the 4-bit formats' offset term; xs = the activation's per-group sums)
 AI float ss_min_term(const float *mn, const float *xs, int G) { return ss_dot(mn, xs, G); }
 
 // -- fast products: int8 activations ------------------------------------------------------------------
 // out[b] = sum_k W[n, k] * X[b, k] for one weight row and nb activation rows (row stride K for xq,
 // G for xd and xs).
+#if defined(SS_AVX2)
+// The AVX2 q4 product, two groups per step. A 32-byte load holds groups g and g+1 (16 bytes each);
+// its low nibbles are elements 0-15 of both, its high nibbles elements 16-31, so the activations'
+// 16-byte halves are paired the same way across the two 128-bit lanes (vperm2i128). The two u8 x s8
+// products of a pair then sum in int16 (|sum| <= 4 * 15 * 128) and one madd widens them: 8 lanes,
+// four per group, scaled by [s_g x4 | s_g+1 x4]. Fewer instructions per group than decoding each
+// group to 32 codes and reducing four groups horizontally (benchmarks/row_kernels.c). Scales and
+// mins are fp32 or (half) fp16, read in the loop; the min term rides in the same accumulator.
+AI __m256 q4p_scales8(const void *s, int half, int g) {
+#if defined(__F16C__)
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + g)));
+#endif
+    return _mm256_loadu_ps((const float *)s + g);
+}
+AI __m256 q4p_scales2(const void *s, int half, int g) {   // [s_g, s_g+1, 0...]
+#if defined(__F16C__)
+    if (half) {
+        int32_t v;
+        memcpy(&v, (const uint16_t *)s + g, 4);
+        return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
+    }
+#endif
+    return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)((const float *)s + g))));
+}
+AI float q4p_scale1(const void *s, int half, int g) {
+#if defined(__F16C__)
+    if (half) return _cvtsh_ss(((const uint16_t *)s)[g]);
+#endif
+    return ((const float *)s)[g];
+}
+// groups g, g+1 of activation row a against the pair's nibbles: 8 int32 lanes, four per group
+// (paired: the activation row is already laid out that way, ss_pair_groups)
+AI __m256i q4p_pair(__m256i lo, __m256i hi, const int8_t *a, int paired) {
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
+#ifdef SS_VNNI   // four products per int32 lane, all of one group: two instructions for the pair
+    return SS_DPBUSD(SS_DPBUSD(_mm256_setzero_si256(), lo, paired ? a0 : _mm256_permute2x128_si256(a0, a1, 0x20)),
+                     hi, paired ? a1 : _mm256_permute2x128_si256(a0, a1, 0x31));
+#endif
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, paired ? a0 : _mm256_permute2x128_si256(a0, a1, 0x20)),
+                                         _mm256_maddubs_epi16(hi, paired ? a1 : _mm256_permute2x128_si256(a0, a1, 0x31)));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+// xe: the rows' scales xd four times each ([nb][4G], ss_pair_groups), or NULL (taken from xd)
+AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int paired, int G, const int8_t *xq,
+                const float *xd, const float *xe, const float *xs, int nb, float *out) {
+    const int K = G * 32;
+    __m256 acc[MAX_ROWS], alt = _mm256_setzero_ps();   // alt: a second chain when there is one row
+    float tail[MAX_ROWS];
+    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i i45 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i67 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
+    int g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 s8 = q4p_scales8(sc, half, g), m8 = q4p_scales8(mn, half, g);
+        for (int h = 0; h < 2; h++) {   // two halves of four groups: fewer live registers at 8 rows
+            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h) * 16));
+            const __m256i r1 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h + 2) * 16));
+            const __m256i lo0 = _mm256_and_si256(r0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
+            const __m256i lo1 = _mm256_and_si256(r1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
+            const __m256 sp0 = _mm256_permutevar8x32_ps(s8, h ? i45 : i01), sp1 = _mm256_permutevar8x32_ps(s8, h ? i67 : i23);
+            for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + (g + 4 * h) * 32;
+                __m256 d0, d1;
+                if (xe) {
+                    d0 = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 4 * h) * 4);
+                    d1 = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 4 * h) * 4 + 8);
+                } else {
+                    const __m256 d8 = _mm256_loadu_ps(xd + (int64_t)b * G + g);
+                    d0 = _mm256_permutevar8x32_ps(d8, h ? i45 : i01), d1 = _mm256_permutevar8x32_ps(d8, h ? i67 : i23);
+                }
+                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp0, d0), _mm256_cvtepi32_ps(q4p_pair(lo0, hi0, a, paired)), acc[b]);
+                if (nb == 1)
+                    alt = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), alt);
+                else
+                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), acc[b]);
+            }
+        }
+        for (int b = 0; b < nb; b++) acc[b] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (int64_t)b * G + g), acc[b]);
+    }
+    for (; g + 2 <= G; g += 2) {
+        const __m256 sp = _mm256_permutevar8x32_ps(q4p_scales2(sc, half, g), i01);
+        const __m128 m2 = _mm256_castps256_ps128(q4p_scales2(mn, half, g));
+        const __m256i r = _mm256_loadu_si256((const __m256i *)(w + g * 16));
+        const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+        for (int b = 0; b < nb; b++) {
+            const __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd + (int64_t)b * G + g)));
+            const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4) : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), i01);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + g * 32, paired)), acc[b]);
+            tail[b] += hsum128(_mm_mul_ps(m2, _mm_castpd_ps(_mm_load_sd((const double *)(xs + (int64_t)b * G + g)))));
+        }
+    }
+    if (g < G) {   // an odd last group
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16)), m4x = _mm_set1_epi8(15);
+        const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4x), _mm_and_si128(raw, m4x));
+        const float s = q4p_scale1(sc, half, g), m = q4p_scale1(mn, half, g);
+        for (int b = 0; b < nb; b++) {
+            const __m256i p = ss_dot_u8s8(wq, _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32)));
+            tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(p)) + m * xs[(int64_t)b * G + g];
+        }
+    }
+    if (nb == 1) acc[0] = _mm256_add_ps(acc[0], alt);
+    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
+}
+#endif
+
 AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, const int8_t *xq,
                  const float *xd, const float *xs, int nb, float *out) {
     const int K = G * 32;
