@@ -44,6 +44,13 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
+// Loops over the activation rows are unrolled in full, so each row's accumulator stays in a register:
+// inside the step's large product function GCC otherwise kept them in a stack array, a load and a
+// store per update (seen with perf annotate: the hottest instruction of the batch-8 step).
+#define SS_UNROLL_ROWS _Pragma("GCC unroll 8")
+#ifndef Q4P_ONE_PAIR
+#define Q4P_ONE_PAIR 1
+#endif
 #define MAX_ROWS 8   // activation rows that share one pass over a weight row
 #ifndef SS_Q4_PAIRS
 #define SS_Q4_PAIRS 1   // the step's AVX2 q4 products through q4p_row (paired activations); 0: q4q8_row
@@ -359,20 +366,35 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
     const int K = G * 32;
     __m256 acc[MAX_ROWS], alt = _mm256_setzero_ps();   // alt: a second chain when there is one row
     float tail[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
     const __m256i i45 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i67 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
     int g = 0;
     for (; g + 8 <= G; g += 8) {
         const __m256 s8 = q4p_scales8(sc, half, g), m8 = q4p_scales8(mn, half, g);
+#if Q4P_ONE_PAIR
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {   // one pair at a time: few live registers at 8 rows
+            const __m256i idx = j == 0 ? i01 : j == 1 ? i23 : j == 2 ? i45 : i67;
+            const __m256i r = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j) * 16));
+            const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+            const __m256 sp = _mm256_permutevar8x32_ps(s8, idx);
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4)
+                                    : _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + (int64_t)b * G + g), idx);
+                const __m256 p = _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + (g + 2 * j) * 32, paired));
+                if (nb == 1 && (j & 1)) alt = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, alt);
+                else acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
+            }
+        }
+#else
         for (int h = 0; h < 2; h++) {   // two halves of four groups: fewer live registers at 8 rows
             const __m256i r0 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h) * 16));
             const __m256i r1 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h + 2) * 16));
             const __m256i lo0 = _mm256_and_si256(r0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
             const __m256i lo1 = _mm256_and_si256(r1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
             const __m256 sp0 = _mm256_permutevar8x32_ps(s8, h ? i45 : i01), sp1 = _mm256_permutevar8x32_ps(s8, h ? i67 : i23);
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const int8_t *a = xq + (int64_t)b * K + (g + 4 * h) * 32;
                 __m256 d0, d1;
                 if (xe) {
@@ -389,14 +411,15 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
                     acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), acc[b]);
             }
         }
-        for (int b = 0; b < nb; b++) acc[b] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (int64_t)b * G + g), acc[b]);
+#endif
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (int64_t)b * G + g), acc[b]);
     }
     for (; g + 2 <= G; g += 2) {
         const __m256 sp = _mm256_permutevar8x32_ps(q4p_scales2(sc, half, g), i01);
         const __m128 m2 = _mm256_castps256_ps128(q4p_scales2(mn, half, g));
         const __m256i r = _mm256_loadu_si256((const __m256i *)(w + g * 16));
         const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd + (int64_t)b * G + g)));
             const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4) : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), i01);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + g * 32, paired)), acc[b]);
@@ -407,13 +430,13 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16)), m4x = _mm_set1_epi8(15);
         const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4x), _mm_and_si128(raw, m4x));
         const float s = q4p_scale1(sc, half, g), m = q4p_scale1(mn, half, g);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256i p = ss_dot_u8s8(wq, _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32)));
             tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(p)) + m * xs[(int64_t)b * G + g];
         }
     }
     if (nb == 1) acc[0] = _mm256_add_ps(acc[0], alt);
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
 }
 #endif
 
@@ -425,7 +448,7 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
     // scaled by one 4-wide multiply, instead of a broadcast and a conversion per group and row.
     __m128 acc[MAX_ROWS];
     __m256 acc1[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     const __m128i m4 = _mm_set1_epi8(15);
     int g = 0;
     for (; g + 4 <= G; g += 4) {
@@ -435,7 +458,7 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
             wq[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
         }
         const __m128 s4 = _mm_loadu_ps(sc + g);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             __m256i p[4];
             for (int j = 0; j < 4; j++) p[j] = ss_dot_u8s8(wq[j], _mm256_loadu_si256((const __m256i *)(a + 32 * j)));
@@ -445,22 +468,22 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
     for (; g < G; g++) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
         const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
             acc1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]),
                                       _mm256_cvtepi32_ps(ss_dot_u8s8(wq, a)), acc1[b]);
         }
     }
-    for (int b = 0; b < nb; b++)
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++)
         out[b] = hsum128(acc[b]) + hsum256(acc1[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
     const uint8x16_t m4 = vdupq_n_u8(15);
     for (int g = 0; g < G; g++) {
         const uint8x16_t raw = vld1q_u8(w + g * 16);
         const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(raw, m4)), hi = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -475,9 +498,9 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
             acc[b] = vfmaq_n_f32(acc[b], vcvtq_f32_s32(p), sc[g] * xd[(int64_t)b * G + g]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #else
-    for (int b = 0; b < nb; b++) {
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
         const int8_t *a = xq + (int64_t)b * K;
         float acc = 0.f;
         for (int g = 0; g < G; g++) {
@@ -499,7 +522,7 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
 #if defined(SS_AVX2)
     __m128 acc[MAX_ROWS];
     __m256 acc1[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     int g = 0;
     for (; g + 4 <= G; g += 4) {   // as q4q8_row: four groups per reduction
         __m256i wa[4], ws[4];
@@ -508,7 +531,7 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
             wa[j] = _mm256_sign_epi8(ws[j], ws[j]);   // |w| as unsigned bytes; the sign moves to a
         }
         const __m128 s4 = _mm_loadu_ps(sc + g);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             __m256i p[4];
             for (int j = 0; j < 4; j++)
@@ -519,19 +542,19 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
     for (; g < G; g++) {
         const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + g * 32));
         const __m256i wa = _mm256_sign_epi8(wq, wq);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32));
             acc1[b] = _mm256_fmadd_ps(_mm256_set1_ps(sc[g] * xd[(int64_t)b * G + g]),
                                       _mm256_cvtepi32_ps(ss_dot_u8s8(wa, _mm256_sign_epi8(a, wq))), acc1[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc1[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc1[b]);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
     for (int g = 0; g < G; g++) {
         const int8x16_t w0 = vld1q_s8(w + g * 32), w1 = vld1q_s8(w + g * 32 + 16);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             const int8x16_t a0 = vld1q_s8(a), a1 = vld1q_s8(a + 16);
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -546,9 +569,9 @@ AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, cons
             acc[b] = vfmaq_n_f32(acc[b], vcvtq_f32_s32(p), sc[g] * xd[(int64_t)b * G + g]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
 #else
-    for (int b = 0; b < nb; b++) {
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
         const int8_t *a = xq + (int64_t)b * K;
         float acc = 0.f;
         for (int g = 0; g < G; g++) {
@@ -567,24 +590,24 @@ AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const
                 const float *xs, int nb, float *out) {
 #if defined(SS_AVX512)
     __m512 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi32(15);
     for (int g = 0; g < G; g++) {
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 16)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, low4));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
         const __m512 d = _mm512_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
             t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
             acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #elif defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     const __m128i m4 = _mm_set1_epi8(15);
     for (int g = 0; g < G; g++) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16));
@@ -594,7 +617,7 @@ AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const
         const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
         const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
         const __m256 d = _mm256_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
             t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), t);
@@ -603,10 +626,10 @@ AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const
             acc[b] = _mm256_fmadd_ps(d, t, acc[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
     const uint8x16_t m4 = vdupq_n_u8(15);
     for (int g = 0; g < G; g++) {
         const uint8x16_t raw = vld1q_u8(w + g * 16);
@@ -618,16 +641,16 @@ AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const
         wf[2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(l1))); wf[3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(l1)));
         wf[4] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(h0))); wf[5] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(h0)));
         wf[6] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(h1))); wf[7] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(h1)));
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             float32x4_t t = vmulq_f32(wf[0], vld1q_f32(xg));
             for (int j = 1; j < 8; j++) t = vfmaq_f32(t, wf[j], vld1q_f32(xg + 4 * j));
             acc[b] = vfmaq_n_f32(acc[b], t, sc[g]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]) + ss_min_term(mn, xs + (int64_t)b * G, G);
 #else
-    for (int b = 0; b < nb; b++) {
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
         const float *xb = x + (int64_t)b * K;
         float acc = 0.f;
         for (int g = 0; g < G; g++) {
@@ -646,38 +669,38 @@ AI void q4f_row(const uint8_t *w, const float *sc, const float *mn, int G, const
 AI void q8f_row(const int8_t *w, const float *sc, int G, const float *x, int K, int nb, float *out) {
 #if defined(SS_AVX512)
     __m512 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 32))));
         const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + g * 32 + 16))));
         const __m512 d = _mm512_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xg));
             t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), t);
             acc[b] = _mm512_fmadd_ps(d, t, acc[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = _mm512_reduce_add_ps(acc[b]);
 #elif defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
         __m256 wf[4];
         for (int j = 0; j < 4; j++)
             wf[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + g * 32 + 8 * j))));
         const __m256 d = _mm256_set1_ps(sc[g]);
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             __m256 t = _mm256_mul_ps(wf[0], _mm256_loadu_ps(xg));
             for (int j = 1; j < 4; j++) t = _mm256_fmadd_ps(wf[j], _mm256_loadu_ps(xg + 8 * j), t);
             acc[b] = _mm256_fmadd_ps(d, t, acc[b]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
 #elif defined(SS_NEON)
     float32x4_t acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = vdupq_n_f32(0.f);
     for (int g = 0; g < G; g++) {
         float32x4_t wf[8];
         for (int j = 0; j < 2; j++) {
@@ -688,16 +711,16 @@ AI void q8f_row(const int8_t *w, const float *sc, int G, const float *x, int K, 
             wf[4 * j + 2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(c)));
             wf[4 * j + 3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(c)));
         }
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xg = x + (int64_t)b * K + g * 32;
             float32x4_t t = vmulq_f32(wf[0], vld1q_f32(xg));
             for (int j = 1; j < 8; j++) t = vfmaq_f32(t, wf[j], vld1q_f32(xg + 4 * j));
             acc[b] = vfmaq_n_f32(acc[b], t, sc[g]);
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = vaddvq_f32(acc[b]);
 #else
-    for (int b = 0; b < nb; b++) {
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
         const float *xb = x + (int64_t)b * K;
         float acc = 0.f;
         for (int g = 0; g < G; g++) {
@@ -712,7 +735,7 @@ AI void q8f_row(const int8_t *w, const float *sc, int G, const float *x, int K, 
 
 // dense fp32 weights (F32 tensors, and F16/BF16 widened at load)
 AI void f32_row(const float *w, int K, const float *x, int nb, float *out) {
-    for (int b = 0; b < nb; b++) out[b] = ss_dot(w, x + (int64_t)b * K, K);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = ss_dot(w, x + (int64_t)b * K, K);
 }
 
 // the activation's per-group sums for the exact 4-bit products' min term
