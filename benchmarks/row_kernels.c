@@ -9,7 +9,9 @@
 //                          27-28 MAC/ns against 19-20 for q4q8_row above, rows 8 44-52 against 27-37.
 //                          The same kernel pairing the activations itself (vperm2i128 per pair and
 //                          row) was no faster than q4q8_row at 8 rows: the step pairs them once.
-//   raw GGUF blocks through qt_q8_row (the step's path), for Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K.
+//   raw GGUF blocks through qt_q8_row (the step's path), for Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, IQ4_XS, Q6_K,
+//   and the re-blocked layouts (QT_R_*) of Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K (the 256-weight types
+//   over 512 of the 576 columns: whole super-blocks).
 //   Blocks decoded into registers and multiplied straight away ran 1.6-3x faster than qt_q8_row here, in
 //   cache, and 2-9% slower in the decode step (benchmarks/cpu_decode.py on llama.cpp-quantized files,
 //   quiet: Q5_0 85 vs 93.5 tok/s): removed. In-cache speed does not predict the streaming step.
@@ -83,9 +85,16 @@ static void q4_rows(void) {
 #endif
 }
 
+// K here: whole blocks of 576 (512 for the 256-weight super-blocks), reported as such
 static void raw_rows(int t, const char *name) {
-    const int BB = qt_bytes(t), QK = qt_block(t);
+    const int BB = qt_bytes(t), QK = qt_block(t), KB = K / QK * QK;
     const size_t row = (size_t)K / QK * BB;
+    for (int b = 0; b < 8; b++)   // the activations' per-32 sums as ss_quantize_row gives them
+        for (int g = 0; g < G; g++) {
+            int sum = 0;
+            for (int j = 0; j < 32; j++) sum += xq[b * K + 32 * g + j];
+            xs[b * G + g] = xd[b * G + g] * (float)sum;
+        }
     uint8_t *w = malloc(row * N);
     for (size_t i = 0; i < row * N; i++) w[i] = (uint8_t)rand();
     const uint16_t h = 0x2E66;   // a sane fp16 scale (0.1) in every block's d (and dmin / min)
@@ -96,19 +105,19 @@ static void raw_rows(int t, const char *name) {
             else memcpy(p, &h, 2);
             if (t == QT_Q5_1 || t == QT_Q4_K || t == QT_Q5_K) memcpy(p + 2, &h, 2);
         }
-    uint8_t *rw = NULL;   // Q5_0, Q5_1, IQ4_NL, Q6_K: also re-blocked as at load (QT_R_*)
-    if (t == QT_Q5_0 || t == QT_Q5_1 || t == QT_IQ4_NL || (t == QT_Q6_K && K % 256 == 0)) {
+    uint8_t *rw = NULL;   // Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q6_K: also re-blocked as at load (QT_R_*)
+    if (t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K || t == QT_IQ4_NL || t == QT_IQ4_XS || t == QT_Q6_K) {
         rw = malloc(row * N);
         for (int n = 0; n < N; n++) {
-            if (t == QT_Q6_K) qt_rb6_pack_row(w + n * row, K, rw + n * row);
-            else qt_rb_pack_row(t, w + n * row, K, rw + n * row);
+            if (t == QT_Q6_K) qt_rb6_pack_row(w + n * row, KB, rw + n * row);
+            else qt_rb_pack_row(t, w + n * row, KB, rw + n * row);
         }
     }
     for (int nb = 1; nb <= 8; nb *= 8) {
         double fused = 1e9, decoded = 1e9;
         for (int r = 0; r < REPS / 4; r++) {
             double t0 = now();
-#define QTQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(t, w + n * row, K, xq, xd, xs, NB, out); SINK(out); }
+#define QTQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(t, w + n * row, KB, xq, xd, xs, NB, out); SINK(out); }
             SS_BY_ROWS(nb, QTQ)
 #undef QTQ
             if (now() - t0 < fused) fused = now() - t0;
@@ -117,34 +126,34 @@ static void raw_rows(int t, const char *name) {
             for (int n = 0; n < N; n++) {
                 int8_t q[K];
                 float sc[G], mn[G];
-                qt_unpack_row32(t, w + n * row, K, q, sc, mn);
-                q8q8_row(q, sc, G, xq, xd, nb, out);
+                qt_unpack_row32(t, w + n * row, KB, q, sc, mn);
+                q8q8_row(q, sc, KB / 32, xq, xd, nb, out);
                 if (qt_has_min(t))
-                    for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + b * G, G);
+                    for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + b * G, KB / 32);
             }
             if (now() - t0 < decoded) decoded = now() - t0;
         }
         char label[64];
         snprintf(label, sizeof label, "%s, qt_q8_row", name);
-        report(label, nb, fused);
+        report(label, nb, fused * K / KB);
         if (rw) {
             double best = 1e9;
             for (int r = 0; r < REPS / 4; r++) {
                 double t0 = now();
-#define RBQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(100 + t, rw + n * row, K, xq, xd, xs, NB, out1); SINK(out1); }
+#define RBQ(NB) for (int n = 0; n < N; n++) { qt_q8_row(100 + t, rw + n * row, KB, xq, xd, xs, NB, out1); SINK(out1); }
                 SS_BY_ROWS(nb, RBQ)
 #undef RBQ
                 if (now() - t0 < best) best = now() - t0;
             }
-            qt_q8_row(t, w + (N - 1) * row, K, xq, xd, xs, nb, out);
+            qt_q8_row(t, w + (N - 1) * row, KB, xq, xd, xs, nb, out);
             for (int b = 0; b < nb; b++)
                 if (fabsf(out[b] - out1[b]) > 1e-3f * (1.f + fabsf(out[b]))) printf("  MISMATCH %g %g\n", out[b], out1[b]);
             snprintf(label, sizeof label, "%s, re-blocked", name);
-            report(label, nb, best);
+            report(label, nb, best * K / KB);
         }
         if (decoded < 1e9) {
             snprintf(label, sizeof label, "%s, row decoded first", name);
-            report(label, nb, decoded);
+            report(label, nb, decoded * K / KB);
         }
     }
 }

@@ -8,10 +8,10 @@ A `Linear` holds an [N, K] weight in one of three ways:
     8-bit: `data` int8 [N, K], `scale` [N, K/32];                      w = scale * q
   with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0) or fp32 (Q4_K's products of a
   fp16 scale and a 6-bit one);
-- re-blocked, from Q5_0, Q5_1, IQ4_NL and Q6_K (when K is a multiple of 64 and the native kernels
-  are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
+- re-blocked, from Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K (when K is a multiple of 64 and the native
+  kernels are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
   bits, scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
-- raw: every other ggml type (Q2_K..Q6_K, IQ4_XS, F16, BF16, and the three above otherwise) as the
+- raw: every other ggml type (Q2_K, Q3_K, Q4_K, F16, BF16, and the six above otherwise) as the
   file's own blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h`
   decodes them block by block inside the products).
 A fused product whose parts are stored in different ways (a Q4_K_M file's Q4_K Q/K with a Q6_K V)
@@ -42,7 +42,7 @@ RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q
              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
              20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
 # ggml types re-blocked at load -> our format id (100 + the ggml id; qtypes.h's QT_R_*)
-REBLOCK = {6: 106, 7: 107, 14: 114, 20: 120}
+REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 REBLOCKED = {v: k for k, v in REBLOCK.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
@@ -92,7 +92,7 @@ class Linear:
 
     @property
     def reblocked(self) -> bool:
-        """Q5_0, Q5_1 or IQ4_NL re-blocked at load (same bytes, laid out by planes)."""
+        """Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS or Q6_K re-blocked at load (same bytes, laid out by planes)."""
         return self.fmt in REBLOCKED
 
     @property
@@ -119,7 +119,7 @@ class Linear:
     @staticmethod
     def from_raw(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int, reblock: bool = True) -> "Linear":
         """ggml blocks of a type in RAW_TYPES, used in place (no copy of a memory-mapped file), or
-        for Q5_0, Q5_1 and IQ4_NL re-blocked into a copy of the same size (`reblock`, when the native
+        for the types in REBLOCK re-blocked into a copy of the same size (`reblock`, when the native
         kernels are built and K is a multiple of 64)."""
         name, qk, bb = RAW_TYPES[fmt]
         if k % qk:
@@ -164,6 +164,26 @@ class Linear:
             qh = (up[:, :, :, 0] | (up[:, :, :, 1] << 2) | (up[:, :, :, 2] << 4) | (up[:, :, :, 3] << 6)).reshape(n, s, 64)
             sc = d[:, 24 * g:26 * g].reshape(n, s, 2, 8).transpose(0, 1, 3, 2).reshape(n, s, 16)
             blocks = [ql, qh, sc, d[:, 26 * g:].reshape(n, s, 2)]
+            raw = np.ascontiguousarray(np.concatenate(blocks, axis=2).astype(np.uint8).reshape(n, -1))
+            return Linear(n, self.k, torch.from_numpy(raw), src, bias=self.bias)
+        if src == 23:   # IQ4_XS: per 256 weights its 8-byte header, then the 8 groups' codes
+            qs = (c4[..., :16] | (c4[..., 16:] << 4)).astype(np.uint8).reshape(n, g // 8, 128)
+            raw = np.concatenate([d[:, 16 * g:17 * g].reshape(n, g // 8, 8), qs], axis=2)
+            return Linear(n, self.k, torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), src, bias=self.bias)
+        if src == 13:   # Q5_K: d dmin scales[12] qh[32] qs[128] per 256 weights
+            s, k8 = g // 8, np.arange(8, dtype=np.uint16)
+            quads = d[:, 16 * g:20 * g].reshape(n, g // 4, 1, 16)
+            shifts = np.arange(4, dtype=np.uint8).reshape(1, 1, 4, 1)
+            hi = np.concatenate([(quads >> shifts) & 1, (quads >> (shifts + 4)) & 1], axis=3).reshape(n, s, 8, 32)
+            qh = (hi << k8.astype(np.uint8).reshape(1, 1, 8, 1)).sum(axis=2).astype(np.uint8)
+            hdr = d[:, 20 * g:22 * g].reshape(n, s, 16)
+            lo = hdr[..., :8]
+            top = lambda i: (((hdr[..., i].astype(np.uint16) | (hdr[..., i + 1].astype(np.uint16) << 8))[..., None]  # noqa: E731
+                              >> (2 * k8)) & 3).astype(np.uint8)
+            sc, mn = (lo & 15) | (top(8) << 4), (lo >> 4) | (top(10) << 4)
+            scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                                     (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=2)
+            blocks = [hdr[..., 12:16], scales, qh, d[:, :16 * g].reshape(n, s, 128)]
             raw = np.ascontiguousarray(np.concatenate(blocks, axis=2).astype(np.uint8).reshape(n, -1))
             return Linear(n, self.k, torch.from_numpy(raw), src, bias=self.bias)
         if src == 20:

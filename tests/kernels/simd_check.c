@@ -66,10 +66,10 @@ static int check_qtypes(void) {
         if (t == QT_F16 || t == QT_BF16) continue;
         qt_q8_row(t, w, K, xq[0], xd[0], xs[0], R, out);
         for (int r = 0; r < R; r++) ok &= close_to(out[r] / scale, wantq[r] / scale, 1e-4, "qt_q8", t);
-        if (t != QT_Q5_0 && t != QT_Q5_1 && t != QT_IQ4_NL && t != QT_Q6_K) continue;
+        if (t != QT_Q5_0 && t != QT_Q5_1 && t != QT_Q5_K && t != QT_IQ4_NL && t != QT_IQ4_XS && t != QT_Q6_K) continue;
         // re-blocked as at load (QT_R_*): the same weights, the same products; over the first KR
-        // weights too (G % 4 == 2: the last pair's path; Q6_K: whole super-blocks only)
-        for (int KR = K; KR >= K - 64; KR -= t == QT_Q6_K ? 256 : 64) {
+        // weights too (G % 4 == 2: the last pair's path; Q5_K, Q6_K and IQ4_XS: whole super-blocks only)
+        for (int KR = K; KR >= K - 64; KR -= QK == 256 ? 256 : 64) {
             static uint8_t rw[K * 4];
             static float rf[K];
             if (t == QT_Q6_K) qt_rb6_pack_row(w, KR, rw);

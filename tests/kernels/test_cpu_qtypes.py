@@ -129,15 +129,15 @@ def test_stacked_parts_of_different_types() -> None:
     assert w.format_name == "Q4_K+Q6_K+F32"
 
 
-@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q5_1, QT.IQ4_NL, QT.Q6_K], ids=lambda t: t.name)
-@pytest.mark.parametrize("k", [512, 576, 192])   # G % 4 == 0, 2 (the last pair), 2
+@pytest.mark.parametrize("qt", [QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.IQ4_NL, QT.IQ4_XS, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [512, 576, 192])   # G % 4 == 0, 2 (the last pair), 2; 256-blocks: 512, 768
 def test_reblocked_rows(qt: QT, k: int) -> None:
-    """Q5_0, Q5_1, IQ4_NL and Q6_K re-blocked at load (qtypes.h's QT_R_*): the same bytes per row, every
+    """Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K re-blocked at load (qtypes.h's QT_R_*): the same bytes per row, every
     weight bit-exact, the ggml blocks recovered exactly, the exact path's products bit-identical
     to the blocks read in place and the fast path's equal up to fp32 summation order."""
     n = 6
     if k % gguf.GGML_QUANT_SIZES[qt][0]:
-        k = 768   # Q6_K: whole super-blocks
+        k = 768   # Q5_K, Q6_K, IQ4_XS: whole super-blocks
     blocks = random_blocks(qt, n, k, seed=11)
     w = Linear.from_raw(int(qt), blocks, n, k)
     raw = Linear.from_raw(int(qt), blocks, n, k, reblock=False)
@@ -146,6 +146,10 @@ def test_reblocked_rows(qt: QT, k: int) -> None:
     ref = gguf.quants.dequantize(blocks, qt).reshape(n, k)
     assert np.array_equal(bits(w.dequantize().numpy()), bits(ref))
     assert np.array_equal(w.ggml_blocks().data.numpy(), blocks)
+    qk = gguf.GGML_QUANT_SIZES[qt][0]
+    cut = w.block_cols(qk, k)   # a tensor-parallel cut, through the ggml blocks
+    assert cut is not None and cut.format_name == qt.name
+    assert np.array_equal(bits(cut.dequantize().numpy()), bits(ref[:, qk:]))
     out = np.empty(k, np.float32)
     lib.ss_qt_dequant(w.fmt, w.data[2:].contiguous().data_ptr(), 0, 1, k, out.ctypes.data)   # an embedding row
     assert np.array_equal(bits(out), bits(ref[2]))

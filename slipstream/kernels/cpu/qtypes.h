@@ -9,7 +9,7 @@
 //   fast:  int8 activations per group of 32 (simd.h's ss_quantize_row) x int8 codes, per-16 scales;
 //   exact: fp32 activations.
 // F16 and BF16 rows are widened to fp32 and multiplied with fp32 activations on both paths.
-// Q5_0, Q5_1, IQ4_NL and Q6_K are re-blocked at load into planar rows of the same size (QT_R_*, below),
+// Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K are re-blocked at load into planar rows of the same size (QT_R_*, below),
 // which the fast path multiplies in registers as simd.h's q4 kernel does its layout.
 #pragma once
 #include <alloca.h>
@@ -19,10 +19,10 @@
 enum {
     QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q2_K = 10,
     QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23, QT_BF16 = 30,
-    // ours: Q5_0, Q5_1 and IQ4_NL re-blocked at load (weights/quant.py), 100 + the ggml type; same
-    // bytes per row as the ggml blocks, laid out by planes so the products read them as the 4-bit
-    // kernels read theirs (see qt_rb_q8_row)
-    QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_Q6_K = 114, QT_R_IQ4_NL = 120,
+    // ours: Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K re-blocked at load (weights/quant.py), 100 + the ggml
+    // type; same bytes per row as the ggml blocks, laid out by planes so the products read them as the
+    // 4-bit kernels read theirs (see qt_rb_q8_row, qt_rb6_q8_row)
+    QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_Q5_K = 113, QT_R_Q6_K = 114, QT_R_IQ4_NL = 120, QT_R_IQ4_XS = 123,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -44,7 +44,7 @@ static inline int qt_block(int t) {
     case QT_F16: case QT_BF16: return 1;
     case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q5_1: case QT_Q8_0: case QT_IQ4_NL: return 32;
     case QT_R_Q5_0: case QT_R_Q5_1: case QT_R_IQ4_NL: return 32;
-    case QT_R_Q6_K: return 256;
+    case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     default: return 0;
     }
@@ -56,6 +56,7 @@ static inline int qt_bytes(int t) {
     case QT_Q4_0: return 18; case QT_Q4_1: return 20; case QT_Q5_0: return 22; case QT_Q5_1: return 24;
     case QT_Q8_0: return 34; case QT_IQ4_NL: return 18;
     case QT_R_Q5_0: return 22; case QT_R_Q5_1: return 24; case QT_R_IQ4_NL: return 18; case QT_R_Q6_K: return 210;
+    case QT_R_IQ4_XS: return 136; case QT_R_Q5_K: return 176;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     default: return 0;
@@ -63,10 +64,12 @@ static inline int qt_bytes(int t) {
 }
 
 static inline int qt_has_min(int t) {
-    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1;
+    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1 || t == QT_R_Q5_K;
 }
 
-static inline int qt_rb(int t) { return t == QT_R_Q5_0 || t == QT_R_Q5_1 || t == QT_R_IQ4_NL; }
+static inline int qt_rb(int t) {
+    return t == QT_R_Q5_0 || t == QT_R_Q5_1 || t == QT_R_Q5_K || t == QT_R_IQ4_NL || t == QT_R_IQ4_XS;
+}
 
 // IEEE half -> float, exactly (subnormals included), without relying on F16C
 static inline float qt_f16(const uint8_t *p) {
@@ -313,7 +316,7 @@ AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
     }
 }
 
-// -- Q5_0, Q5_1 and IQ4_NL re-blocked at load (QT_R_*) --------------------------------------------------
+// -- Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS re-blocked at load (QT_R_*) -----------------------------------
 // A row of K = 32 G weights (G even) keeps the ggml blocks' bytes, by planes:
 //   codes  16 G bytes: groups in pairs, 32 bytes per pair; byte j holds the low 4 bits of element j of
 //          the pair's first group (low nibble) and of its second group (high nibble);
@@ -321,20 +324,62 @@ AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
 //          byte j is element j of group i, bit 4 + i element j + 16; the last two groups when G % 4
 //          is 2: 4 bytes each, ggml's qh (bit j = element j);
 //   d      2 G bytes: the groups' fp16 scales;  m (Q5_1 only) 2 G bytes: their fp16 minimums.
-// Codes are ggml's: Q5 5-bit unsigned (Q5_0's weight d (c - 16), Q5_1's d c + m), IQ4_NL a 4-bit
-// index into QT_KVALUES. A group's codes are one 32-byte register: a nibble mask or shift and, for
-// Q5, one shift and mask of the four-group high-bit register (no per-group bit spreading).
-AI int qt_rb_q5(int t) { return t != QT_R_IQ4_NL; }
+// IQ4_XS (K = 256 S, G = 8 S): the codes plane, then per super-block its 8 header bytes as ggml has
+// them (fp16 d, scales_h, scales_l[4]): group g = 8 s + i of super-block s has scale d (ls_i - 32).
+// Q5_K (K = 256 S): the codes and high planes as Q5's (the codes plane is ggml's qs, block after
+// block), then per super-block 16 bytes: its 6-bit scales sc and minimums mn rearranged, byte i
+// (sc_i & 15) | (mn_i & 15) << 4 for i < 8, then a u16 whose bits 2i, 2i + 1 are sc_i >> 4 and one
+// for mn_i >> 4 (eight of each decoded by one variable shift), then ggml's fp16 d and dmin: group i's
+// weight d sc_i c - dmin mn_i.
+// Codes are ggml's: Q5 5-bit unsigned (Q5_0's weight d (c - 16), Q5_1's d c + m), IQ4_NL and IQ4_XS
+// a 4-bit index into QT_KVALUES. A group's codes are one 32-byte register: a nibble mask or shift and,
+// for Q5, one shift and mask of the four-group high-bit register (no per-group bit spreading).
+AI int qt_rb_q5(int t) { return t == QT_R_Q5_0 || t == QT_R_Q5_1 || t == QT_R_Q5_K; }
 AI const uint8_t *qt_rb_scales(int t, const uint8_t *w, int G) { return w + (qt_rb_q5(t) ? 20 : 16) * G; }
+
+// the 6-bit scale ls - 32 of sub-block i of an IQ4_XS header h (d, scales_h, scales_l[4])
+AI int qt_xs_ls(const uint8_t *h, int i) {
+    const int sh = h[2] | (h[3] << 8);
+    return (((h[4 + (i >> 1)] >> (4 * (i & 1))) & 15) | (((sh >> (2 * i)) & 3) << 4)) - 32;
+}
+
+// Q5_K: the 6-bit scale (which = 0) or minimum (1) of group i of a super-block's rearranged header h
+AI int qt_r5k_field(const uint8_t *h, int i, int which) {
+    const int hi = h[8 + 2 * which] | (h[9 + 2 * which] << 8);
+    return ((h[i] >> (4 * which)) & 15) | (((hi >> (2 * i)) & 3) << 4);
+}
+
+// the fp32 scale of group g of a re-blocked row (exact: an fp16 value times a 6-bit integer)
+AI float qt_rb_scale(const int t, const uint8_t *w, int G, int g) {
+    if (t == QT_R_IQ4_XS) {
+        const uint8_t *h = w + 16 * G + 8 * (g / 8);
+        return qt_f16(h) * (float)qt_xs_ls(h, g & 7);
+    }
+    if (t == QT_R_Q5_K) {
+        const uint8_t *h = w + 20 * G + 2 * (g & ~7);   // 16 bytes per super-block
+        return qt_f16(h + 12) * (float)qt_r5k_field(h, g & 7, 0);
+    }
+    return qt_f16(qt_rb_scales(t, w, G) + 2 * g);
+}
+
+// the fp32 offset of group g (Q5_1: m, Q5_K: -dmin mn, as ggml's d sc c - dmin mn; else 0)
+AI float qt_rb_offset(const int t, const uint8_t *w, int G, int g) {
+    if (t == QT_R_Q5_1) return qt_f16(qt_rb_scales(t, w, G) + 2 * G + 2 * g);
+    if (t == QT_R_Q5_K) {
+        const uint8_t *h = w + 20 * G + 2 * (g & ~7);
+        return -(qt_f16(h + 14) * (float)qt_r5k_field(h, g & 7, 1));
+    }
+    return 0.f;
+}
 
 // signed int8 codes and per-32 fp32 scales and offsets of a re-blocked row: the same values as
 // qt_unpack gives for the ggml blocks it came from (Q5_0's codes c - 16, IQ4_NL's looked up)
 AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
     const int G = K / 32, G4 = G & ~3;
-    const uint8_t *hb = w + 16 * G, *dh = qt_rb_scales(t, w, G);
+    const uint8_t *hb = w + 16 * G;
     for (int g = 0; g < G; g++) {
-        sc[g] = qt_f16(dh + 2 * g);
-        mn[g] = t == QT_R_Q5_1 ? qt_f16(dh + 2 * G + 2 * g) : 0.f;
+        sc[g] = qt_rb_scale(t, w, G, g);
+        mn[g] = qt_rb_offset(t, w, G, g);
     }
     for (int g = 0; g < G; g++) {
         const uint8_t *pb = w + 32 * (g / 2);
@@ -343,7 +388,7 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
 #if defined(SS_AVX2)
         const __m256i v = _mm256_loadu_si256((const __m256i *)pb);
         __m256i c = qt_field(v, shift, 15);
-        if (t == QT_R_IQ4_NL) {
+        if (!qt_rb_q5(t)) {
             qt_store(o, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)), c));
             continue;
         }
@@ -362,7 +407,7 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
 #endif
         for (int j = 0; j < 32; j++) {
             const int c = (pb[j] >> shift) & 15;
-            if (t == QT_R_IQ4_NL) {
+            if (!qt_rb_q5(t)) {
                 o[j] = QT_KVALUES[c];
                 continue;
             }
@@ -373,19 +418,44 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
     }
 }
 
-// one row of ggml blocks (t: Q5_0, Q5_1 or IQ4_NL; K = 32 G, G even) -> the re-blocked row (same bytes)
+// one row of ggml blocks (t: Q5_0, Q5_1, IQ4_NL, K = 32 G with G even; Q5_K, IQ4_XS, K = 256 S) ->
+// the re-blocked row (same bytes)
 static inline void qt_rb_pack_row(const int t, const uint8_t *src, int K, uint8_t *dst) {
-    const int G = K / 32, G4 = G & ~3, BB = qt_bytes(t), q5 = t != QT_IQ4_NL, off = t == QT_Q5_1 ? 2 : 0;
+    const int G = K / 32, G4 = G & ~3, BB = qt_bytes(t), off = t == QT_Q5_1 ? 2 : 0;
+    const int q5 = t == QT_Q5_0 || t == QT_Q5_1 || t == QT_Q5_K;
     uint8_t *hb = dst + 16 * G, *dh = dst + (q5 ? 20 : 16) * G;
-    memset(dst, 0, (size_t)BB * G);
+    memset(dst, 0, (size_t)(K / qt_block(t)) * BB);
     for (int g = 0; g < G; g++) {
         const uint8_t *b = src + (int64_t)g * BB, *qs = b + (q5 ? 6 + off : 2);
-        memcpy(dh + 2 * g, b, 2);
-        if (t == QT_Q5_1) memcpy(dh + 2 * G + 2 * g, b + 2, 2);
         uint32_t qh = 0;
-        if (q5) memcpy(&qh, b + 2 + off, 4);
+        if (t == QT_IQ4_XS) {   // sub-block g % 8 of super-block g / 8: its header copied once
+            b = src + (int64_t)(g / 8) * BB;
+            qs = b + 8 + 16 * (g % 8);
+            if (g % 8 == 0) memcpy(hb + 8 * (g / 8), b, 8);
+        } else if (t == QT_Q5_K) {   // d dmin scales[12] qh[32] qs[128]; group i = g % 8 of the block
+            b = src + (int64_t)(g / 8) * BB;
+            const int i = g % 8;
+            for (int j = 0; j < 32; j++) qh |= (uint32_t)((b[16 + j] >> i) & 1) << j;
+            uint8_t *h = dh + 2 * (g & ~7);
+            if (i == 0) {
+                int sc[8], mn[8];
+                qt_k_scales(b + 4, sc, mn);
+                memset(h, 0, 16);
+                for (int k = 0; k < 8; k++) {
+                    h[k] = (uint8_t)((sc[k] & 15) | ((mn[k] & 15) << 4));
+                    h[8 + k / 4] |= (uint8_t)((sc[k] >> 4) << (2 * (k % 4)));
+                    h[10 + k / 4] |= (uint8_t)((mn[k] >> 4) << (2 * (k % 4)));
+                }
+                memcpy(h + 12, b, 4);
+            }
+        } else {
+            memcpy(dh + 2 * g, b, 2);
+        }
+        if (t == QT_Q5_1) memcpy(dh + 2 * G + 2 * g, b + 2, 2);
+        if (t == QT_Q5_0 || t == QT_Q5_1) memcpy(&qh, b + 2 + off, 4);
         for (int j = 0; j < 32; j++) {
-            const int c = j < 16 ? qs[j] & 15 : qs[j - 16] >> 4, h = (qh >> j) & 1;
+            const int c = t == QT_Q5_K ? (b[48 + 32 * ((g % 8) / 2) + j] >> (4 * (g & 1))) & 15
+                        : j < 16 ? qs[j] & 15 : qs[j - 16] >> 4, h = (qh >> j) & 1;
             dst[32 * (g / 2) + j] |= (uint8_t)(c << (4 * (g & 1)));
             if (!q5) continue;
             if (g < G4) hb[16 * (g / 4) + (j & 15)] |= (uint8_t)(h << ((g & 3) + 4 * (j >> 4)));
@@ -414,11 +484,13 @@ AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
 }
 
 // fast product of one re-blocked row (as q4q8_row: four groups per reduction); Q5 codes are
-// unsigned (u8 x s8 products), Q5_0's -16 d joins the offset term; IQ4_NL's looked-up codes are
-// signed (their sign moves to the activation, as q8q8_row does)
+// unsigned (u8 x s8 products), Q5_0's -16 d joins the offset term, as Q5_K's -dmin mn does (its eight
+// scales and minimums decoded at each super-block's first group); IQ4_NL's and IQ4_XS's looked-up
+// codes are signed (their sign moves to the activation, as q8q8_row does); IQ4_XS's four scales
+// d (ls - 32) decoded from the super-block header by variable shifts
 AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
                      int nb, float *out) {
-    const int G = K / 32, q5 = qt_rb_q5(t), mins = t != QT_R_IQ4_NL;
+    const int G = K / 32, q5 = qt_rb_q5(t), mins = q5;
     const uint8_t *hb = w + 16 * G, *dh = qt_rb_scales(t, w, G), *mh = dh + 2 * G;
     // scales widened four at a time; the offset term (Q5_0: -16 d, Q5_1: m) in the same pass
     __m128 acc[MAX_ROWS], accm[MAX_ROWS];
@@ -426,6 +498,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
     for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    __m256 xs8 = _mm256_setzero_ps(), xm8 = xs8;   // IQ4_XS, Q5_K: the current super-block's scales (and offsets)
     int g = 0;
     for (; g + 4 <= G; g += 4) {
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
@@ -443,8 +516,40 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
                 wq[j] = _mm256_sign_epi8(ws[j], ws[j]);
             }
         }
-        const __m128 s4 = qt_f16x4(dh + 2 * g);
-        const __m128 o4 = t == QT_R_Q5_1 ? qt_f16x4(mh + 2 * g) : s4;
+        __m128 s4;
+        if (t == QT_R_IQ4_XS) {   // a super-block's eight scales at its first group, four used per step
+            if (!(g & 7)) {
+                const uint8_t *h = hb + g;   // 8 bytes per 8 groups
+                uint32_t sl;
+                memcpy(&sl, h + 4, 4);
+                const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sl), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                                    _mm256_set1_epi32(15));
+                const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h[2] | (h[3] << 8)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                                    _mm256_set1_epi32(3));
+                const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+                xs8 = _mm256_mul_ps(_mm256_set1_ps(qt_f16(h)), _mm256_cvtepi32_ps(ls));
+            }
+            s4 = g & 4 ? _mm256_extractf128_ps(xs8, 1) : _mm256_castps256_ps128(xs8);
+        } else if (t == QT_R_Q5_K) {
+            if (!(g & 7)) {
+                const uint8_t *h = dh + 2 * g;   // 16 bytes per 8 groups
+                uint32_t hh;
+                memcpy(&hh, h + 8, 4);
+                const __m256i b8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)h)), m4i = _mm256_set1_epi32(15);
+                const __m256i hv = _mm256_srlv_epi32(_mm256_set1_epi32((int)hh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+                const __m256i m3 = _mm256_set1_epi32(3);
+                const __m256i scv = _mm256_or_si256(_mm256_and_si256(b8, m4i), _mm256_slli_epi32(_mm256_and_si256(hv, m3), 4));
+                const __m256i mnv = _mm256_or_si256(_mm256_srli_epi32(b8, 4),
+                                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hv, 16), m3), 4));
+                xs8 = _mm256_mul_ps(_mm256_set1_ps(qt_f16(h + 12)), _mm256_cvtepi32_ps(scv));
+                xm8 = _mm256_mul_ps(_mm256_set1_ps(-qt_f16(h + 14)), _mm256_cvtepi32_ps(mnv));
+            }
+            s4 = g & 4 ? _mm256_extractf128_ps(xs8, 1) : _mm256_castps256_ps128(xs8);
+        } else {
+            s4 = qt_f16x4(dh + 2 * g);
+        }
+        const __m128 o4 = t == QT_R_Q5_1 ? qt_f16x4(mh + 2 * g)
+                        : t == QT_R_Q5_K ? (g & 4 ? _mm256_extractf128_ps(xm8, 1) : _mm256_castps256_ps128(xm8)) : s4;
         for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             __m256i p[4];
@@ -461,8 +566,8 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
         __m256i wq[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)}, ws[2];
         float sc[2], mo[2];
         for (int j = 0; j < 2; j++) {
-            sc[j] = qt_f16(dh + 2 * (g + j));
-            mo[j] = t == QT_R_Q5_1 ? qt_f16(mh + 2 * (g + j)) : sc[j];
+            sc[j] = qt_rb_scale(t, w, G, g + j);
+            mo[j] = t == QT_R_Q5_0 ? sc[j] : qt_rb_offset(t, w, G, g + j);
             if (q5) {
                 uint32_t qh;
                 memcpy(&qh, hb + 4 * (g + j), 4);
@@ -722,7 +827,8 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
 
 // one compiled body per type (the decoder's switch folds away)
 #define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
-    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_Q6_K)
+    X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
+    X(QT_R_Q5_K) X(QT_R_Q6_K)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
@@ -732,7 +838,7 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
 #define QT_RB_ROWS(NB) qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out)
 #define QT_RB_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
 #define QT_RB6_ROWS(NB) qt_rb6_q8_row(w, K, xq, xd, NB, out)
-    QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL)
+    QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL) QT_RB_CASE(QT_R_IQ4_XS) QT_RB_CASE(QT_R_Q5_K)
     case QT_R_Q6_K:   // from QT_RB6_ROWS_MAX rows on the decoded-block path below is faster
         if (nb < QT_RB6_ROWS_MAX) { SS_BY_ROWS(nb, QT_RB6_ROWS) return; }
         break;

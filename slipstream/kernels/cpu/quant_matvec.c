@@ -121,8 +121,9 @@ void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) 
     }
 }
 
-// Q5_0, Q5_1, IQ4_NL or Q6_K blocks (qtype: the ggml type) of n rows of K weights -> the re-blocked
-// rows of qtypes.h's QT_R_* layouts (K a multiple of 64, of 256 for Q6_K; same bytes per row)
+// Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS or Q6_K blocks (qtype: the ggml type) of n rows of K weights ->
+// the re-blocked rows of qtypes.h's QT_R_* layouts (K a multiple of 64, of 256 for the K-quants and
+// IQ4_XS; same bytes per row)
 void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     const int64_t row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
 #pragma omp parallel for schedule(static)
