@@ -187,6 +187,20 @@ static int check_q4_widths(void) {
             }
             q4p_row(w, sch, mnh, 1, 1, G, xp, xdc, xe, xsc, nb, out);
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired", G * 100 + nb);
+            // the q8 product on the same paired rows: codes -127..127, fp16 and fp32 scales
+            static int8_t w8[KMAX];
+            for (int i = 0; i < K; i++) w8[i] = (int8_t)irand(-127, 127);
+            double want8[MAX_ROWS] = {0};
+            for (int r = 0; r < nb; r++)
+                for (int g = 0; g < G; g++) {
+                    long s8 = 0;
+                    for (int j = 0; j < 32; j++) s8 += w8[g * 32 + j] * xq[r][g * 32 + j];
+                    want8[r] += (double)sc[g] * xd[r][g] * s8;
+                }
+            q8p_row(w8, sch, 1, G, xp, xdc, xe, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8q8 paired fp16", G * 100 + nb);
+            q8p_row(w8, sc, 0, G, xp, xdc, xe, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8q8 paired fp32", G * 100 + nb);
 #endif
         }
     }

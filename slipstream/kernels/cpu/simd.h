@@ -516,6 +516,69 @@ AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, cons
 #endif
 }
 
+#if defined(SS_AVX2)
+// The q8 product on paired activations (as q4p_row): a group pair's weights are paired with two
+// vperm2i128 per weight row (shared by every activation row), then per row two sign-trick u8 x s8
+// products, widened apart (two full-range products overflow int16) and added: 8 lanes, four per group.
+AI __m256i q8p_pair(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi, const int8_t *a) {
+    const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
+#ifdef SS_VNNI
+    return SS_DPBUSD(SS_DPBUSD(_mm256_setzero_si256(), ulo, _mm256_sign_epi8(a0, slo)), uhi, _mm256_sign_epi8(a1, shi));
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, _mm256_sign_epi8(a0, slo)), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, _mm256_sign_epi8(a1, shi)), ones));
+#endif
+}
+// xp, xe: paired codes and repeated scales of nb rows (ss_pair_groups); sc fp32 or (half) fp16
+AI void q8p_row(const int8_t *w, const void *sc, int half, int G, const int8_t *xp, const float *xd,
+                const float *xe, int nb, float *out) {
+    const int K = G * 32;
+    __m256 acc[MAX_ROWS], alt = _mm256_setzero_ps();
+    float tail[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
+    const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const __m256i i45 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i67 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
+    int g = 0;
+    for (; g + 8 <= G; g += 8) {
+        const __m256 s8 = q4p_scales8(sc, half, g);
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j) * 32));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j + 1) * 32));
+            const __m256i slo = _mm256_permute2x128_si256(w0, w1, 0x20), shi = _mm256_permute2x128_si256(w0, w1, 0x31);
+            const __m256i ulo = _mm256_sign_epi8(slo, slo), uhi = _mm256_sign_epi8(shi, shi);
+            const __m256 sp = _mm256_permutevar8x32_ps(s8, j == 0 ? i01 : j == 1 ? i23 : j == 2 ? i45 : i67);
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4);
+                const __m256 p = _mm256_cvtepi32_ps(q8p_pair(ulo, slo, uhi, shi, xp + (int64_t)b * K + (g + 2 * j) * 32));
+                if (nb == 1 && (j & 1)) alt = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, alt);
+                else acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
+            }
+        }
+    }
+    for (; g + 2 <= G; g += 2) {
+        const __m256 sp = _mm256_permutevar8x32_ps(q4p_scales2(sc, half, g), i01);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 32)), w1 = _mm256_loadu_si256((const __m256i *)(w + g * 32 + 32));
+        const __m256i slo = _mm256_permute2x128_si256(w0, w1, 0x20), shi = _mm256_permute2x128_si256(w0, w1, 0x31);
+        const __m256i ulo = _mm256_sign_epi8(slo, slo), uhi = _mm256_sign_epi8(shi, shi);
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+            const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q8p_pair(ulo, slo, uhi, shi, xp + (int64_t)b * K + g * 32)), acc[b]);
+        }
+    }
+    if (g < G) {   // an odd last group (left unpaired by ss_pair_groups)
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(w + g * 32)), wa = _mm256_sign_epi8(wq, wq);
+        const float s = q4p_scale1(sc, half, g);
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xp + (int64_t)b * K + g * 32));
+            tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(ss_dot_u8s8(wa, _mm256_sign_epi8(a, wq))));
+        }
+    }
+    if (nb == 1) acc[0] = _mm256_add_ps(acc[0], alt);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
+}
+#endif
+
 AI void q8q8_row(const int8_t *w, const float *sc, int G, const int8_t *xq, const float *xd, int nb,
                  float *out) {
     const int K = G * 32;

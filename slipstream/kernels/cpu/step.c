@@ -232,9 +232,20 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                 } else {
                     const int8_t *xq = x->q + (int64_t)b0 * K;
                     const float *xd = x->d + (int64_t)b0 * G;
+#if defined(SS_AVX2)
+                    if (SS_Q4_PAIRS && x->p && nb > 1) {   // paired activations, as the q4 rows (one row: no faster)
+                        const int8_t *xp = x->p + (int64_t)b0 * K;
+                        const float *xe = x->e + (int64_t)b0 * 4 * G;
+#define Q8P(NB) q8p_row(w, sc, 0, G, xp, xd, xe, NB, out)
+                        SS_BY_ROWS(nb, Q8P)
+#undef Q8P
+                    } else
+#endif
+                    {
 #define Q8Q(NB) q8q8_row(w, sc, G, xq, xd, NB, out)
-                    SS_BY_ROWS(nb, Q8Q)
+                        SS_BY_ROWS(nb, Q8Q)
 #undef Q8Q
+                    }
                 }
             } else if (m->kind == KIND_QT) {
                 const uint8_t *w = (const uint8_t *)m->q + n * row_bytes;
