@@ -372,19 +372,61 @@ AI float qt_rb_offset(const int t, const uint8_t *w, int G, int g) {
     return 0.f;
 }
 
+#if defined(SS_AVX2)
+// the fifth bits of four groups' codes (16 bytes of the high plane) -> 16 or 0 per code byte
+AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
+    const __m128i x = _mm_loadu_si128((const __m128i *)p);
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x), m = _mm256_set1_epi8(16);
+    h[0] = _mm256_and_si256(_mm256_slli_epi16(v, 4), m);
+    h[1] = _mm256_and_si256(_mm256_slli_epi16(v, 3), m);
+    h[2] = _mm256_and_si256(_mm256_slli_epi16(v, 2), m);
+    h[3] = _mm256_and_si256(_mm256_slli_epi16(v, 1), m);
+}
+#endif
+
 // signed int8 codes and per-32 fp32 scales and offsets of a re-blocked row: the same values as
 // qt_unpack gives for the ggml blocks it came from (Q5_0's codes c - 16, IQ4_NL's looked up)
 AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
     const int G = K / 32, G4 = G & ~3;
     const uint8_t *hb = w + 16 * G;
-    for (int g = 0; g < G; g++) {
-        sc[g] = qt_rb_scale(t, w, G, g);
-        mn[g] = qt_rb_offset(t, w, G, g);
+    if (t == QT_R_IQ4_XS || t == QT_R_Q5_K) {   // per super-block: its fp16 scales widened once
+        for (int g0 = 0; g0 < G; g0 += 8) {
+            const uint8_t *h = t == QT_R_IQ4_XS ? hb + g0 : w + 20 * G + 2 * g0;
+            const float d = qt_f16(t == QT_R_IQ4_XS ? h : h + 12), dm = t == QT_R_Q5_K ? qt_f16(h + 14) : 0.f;
+            for (int i = 0; i < 8; i++) {
+                sc[g0 + i] = d * (float)(t == QT_R_IQ4_XS ? qt_xs_ls(h, i) : qt_r5k_field(h, i, 0));
+                mn[g0 + i] = t == QT_R_Q5_K ? -(dm * (float)qt_r5k_field(h, i, 1)) : 0.f;
+            }
+        }
+    } else {
+        for (int g = 0; g < G; g++) {
+            sc[g] = qt_rb_scale(t, w, G, g);
+            mn[g] = qt_rb_offset(t, w, G, g);
+        }
     }
-    for (int g = 0; g < G; g++) {
+    int g0 = 0;
+#if defined(SS_AVX2)
+    // four groups per step, as the fast product reads them
+    const __m256i m4 = _mm256_set1_epi8(15), kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    for (; g0 + 4 <= G; g0 += 4) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g0));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g0 + 32));
+        __m256i c[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
+                        _mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+        __m256i h[4];
+        if (qt_rb_q5(t)) qt_rb_high4(hb + 4 * g0, h);
+        for (int j = 0; j < 4; j++) {
+            if (!qt_rb_q5(t)) c[j] = _mm256_shuffle_epi8(kv, c[j]);
+            else if (t == QT_R_Q5_0) c[j] = _mm256_sub_epi8(_mm256_or_si256(c[j], h[j]), _mm256_set1_epi8(16));
+            else c[j] = _mm256_or_si256(c[j], h[j]);
+            qt_store(q + 32 * (g0 + j), c[j]);
+        }
+    }
+#endif
+    for (int g = g0; g < G; g++) {
         const uint8_t *pb = w + 32 * (g / 2);
         const int shift = 4 * (g & 1);
-        int8_t *o = q + 32 * g;
+        int8_t *o = q + 32 * (int64_t)g;
 #if defined(SS_AVX2)
         const __m256i v = _mm256_loadu_si256((const __m256i *)pb);
         __m256i c = qt_field(v, shift, 15);
@@ -392,16 +434,9 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
             qt_store(o, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)), c));
             continue;
         }
-        __m256i h;
-        if (g < G4) {
-            const __m128i x = _mm_loadu_si128((const __m128i *)(hb + 16 * (g / 4)));
-            h = qt_field(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), g & 3, 1);
-        } else {
-            uint32_t qh;
-            memcpy(&qh, hb + 4 * g, 4);
-            h = _mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(1));
-        }
-        c = _mm256_or_si256(c, _mm256_slli_epi16(h, 4));
+        uint32_t qh;   // the last pair (G % 4 == 2): the groups before it went four at a time above
+        memcpy(&qh, hb + 4 * g, 4);
+        c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(qt_bits(qh), _mm256_set1_epi8(1)), 4));
         qt_store(o, t == QT_R_Q5_0 ? _mm256_sub_epi8(c, _mm256_set1_epi8(16)) : c);
         continue;
 #endif
@@ -473,15 +508,6 @@ AI __m128 qt_f16x4(const uint8_t *p) {   // four fp16 values -> fp32
 #endif
 }
 
-// the fifth bits of four groups' codes (16 bytes of the high plane) -> 16 or 0 per code byte
-AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
-    const __m128i x = _mm_loadu_si128((const __m128i *)p);
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(x, 4), x), m = _mm256_set1_epi8(16);
-    h[0] = _mm256_and_si256(_mm256_slli_epi16(v, 4), m);
-    h[1] = _mm256_and_si256(_mm256_slli_epi16(v, 3), m);
-    h[2] = _mm256_and_si256(_mm256_slli_epi16(v, 2), m);
-    h[3] = _mm256_and_si256(_mm256_slli_epi16(v, 1), m);
-}
 
 // fast product of one re-blocked row (as q4q8_row: four groups per reduction); Q5 codes are
 // unsigned (u8 x s8 products), Q5_0's -16 d joins the offset term, as Q5_K's -dmin mn does (its eight
