@@ -201,6 +201,18 @@ static int check_q4_widths(void) {
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8q8 paired fp16", G * 100 + nb);
             q8p_row(w8, sc, 0, G, xp, xdc, xe, nb, out);
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8q8 paired fp32", G * 100 + nb);
+            // a row's result never depends on the rows beside it (batches equal each prompt alone)
+            float many[MAX_ROWS], one;
+            q4p_row(w, sch, mnh, 1, 1, G, xp, xdc, xe, xsc, nb, many);
+            for (int r = 0; r < nb; r++) {
+                q4p_row(w, sch, mnh, 1, 1, G, xp + r * K, xdc + r * G, xe + r * 4 * G, xsc + r * G, 1, &one);
+                if (one != many[r]) { printf("q4p_row row %d of %d differs alone (G %d)\n", r, nb, G); ok = 0; }
+            }
+            q8p_row(w8, sch, 1, G, xp, xdc, xe, nb, many);
+            for (int r = 0; r < nb; r++) {
+                q8p_row(w8, sch, 1, G, xp + r * K, xdc + r * G, xe + r * 4 * G, 1, &one);
+                if (one != many[r]) { printf("q8p_row row %d of %d differs alone (G %d)\n", r, nb, G); ok = 0; }
+            }
 #endif
         }
     }

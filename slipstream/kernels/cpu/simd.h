@@ -364,7 +364,7 @@ AI __m256i q4p_pair(__m256i lo, __m256i hi, const int8_t *a, int paired) {
 AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int paired, int G, const int8_t *xq,
                 const float *xd, const float *xe, const float *xs, int nb, float *out) {
     const int K = G * 32;
-    __m256 acc[MAX_ROWS], alt = _mm256_setzero_ps();   // alt: a second chain when there is one row
+    __m256 acc[MAX_ROWS];   // one chain per row, the same whatever nb: a row's result never depends on its neighbours
     float tail[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -383,8 +383,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
                 const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4)
                                     : _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + (int64_t)b * G + g), idx);
                 const __m256 p = _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + (g + 2 * j) * 32, paired));
-                if (nb == 1 && (j & 1)) alt = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, alt);
-                else acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
+                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
             }
         }
 #else
@@ -405,10 +404,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
                     d0 = _mm256_permutevar8x32_ps(d8, h ? i45 : i01), d1 = _mm256_permutevar8x32_ps(d8, h ? i67 : i23);
                 }
                 acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp0, d0), _mm256_cvtepi32_ps(q4p_pair(lo0, hi0, a, paired)), acc[b]);
-                if (nb == 1)
-                    alt = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), alt);
-                else
-                    acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), acc[b]);
+                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), acc[b]);
             }
         }
 #endif
@@ -435,7 +431,6 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
             tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(p)) + m * xs[(int64_t)b * G + g];
         }
     }
-    if (nb == 1) acc[0] = _mm256_add_ps(acc[0], alt);
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
 }
 #endif
@@ -534,7 +529,7 @@ AI __m256i q8p_pair(__m256i ulo, __m256i slo, __m256i uhi, __m256i shi, const in
 AI void q8p_row(const int8_t *w, const void *sc, int half, int G, const int8_t *xp, const float *xd,
                 const float *xe, int nb, float *out) {
     const int K = G * 32;
-    __m256 acc[MAX_ROWS], alt = _mm256_setzero_ps();
+    __m256 acc[MAX_ROWS];
     float tail[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), tail[b] = 0.f;
     const __m256i i01 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), i23 = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
@@ -551,8 +546,7 @@ AI void q8p_row(const int8_t *w, const void *sc, int half, int G, const int8_t *
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4);
                 const __m256 p = _mm256_cvtepi32_ps(q8p_pair(ulo, slo, uhi, shi, xp + (int64_t)b * K + (g + 2 * j) * 32));
-                if (nb == 1 && (j & 1)) alt = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, alt);
-                else acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
+                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
             }
         }
     }
@@ -574,7 +568,6 @@ AI void q8p_row(const int8_t *w, const void *sc, int half, int G, const int8_t *
             tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(ss_dot_u8s8(wa, _mm256_sign_epi8(a, wq))));
         }
     }
-    if (nb == 1) acc[0] = _mm256_add_ps(acc[0], alt);
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + tail[b];
 }
 #endif

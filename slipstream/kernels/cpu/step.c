@@ -233,7 +233,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                     const int8_t *xq = x->q + (int64_t)b0 * K;
                     const float *xd = x->d + (int64_t)b0 * G;
 #if defined(SS_AVX2)
-                    if (SS_Q4_PAIRS && x->p && nb > 1) {   // paired activations, as the q4 rows (one row: no faster)
+                    if (SS_Q4_PAIRS && x->p) {   // paired activations, as the q4 rows; every row count alike, so a
+                                                 // row's result does not depend on the rows beside it
                         const int8_t *xp = x->p + (int64_t)b0 * K;
                         const float *xe = x->e + (int64_t)b0 * 4 * G;
 #define Q8P(NB) q8p_row(w, sc, 0, G, xp, xd, xe, NB, out)
