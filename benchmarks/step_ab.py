@@ -1,0 +1,68 @@
+"""Native CPU decode steps timed in-process, for A/B comparisons on a noisy host.
+
+Decodes `--batch` rows at a fixed position (`--context` tokens already cached, the same step over and
+over) with the native runtime's fast path and prints the median step time. With `--prefetch` values
+the weight-prefetch distance (`ss_set_prefetch`, bytes) changes every `--per` steps, cycling through
+the values, so slow drifts of the host hit every value alike. To compare two trees, run this file
+alternately with PYTHONPATH pointing at each and compare the medians.
+
+    python benchmarks/step_ab.py [--batch 1] [--context 100] [--rounds 15] [--prefetch 0 32768 65536]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--per", type=int, default=10, help="timed steps per value and round")
+    ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
+    args = ap.parse_args()
+
+    from slipstream import LLM
+    from slipstream.kernels.cpu import load_library
+    from slipstream.kv.blocks import SequenceKV
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    from slipstream.step import decode_step, prefill_step
+
+    lib = load_library()
+    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + 8) * args.batch + 64)
+    model, kv = llm.model, llm.engine.kv
+    dec = CpuTeamDecoder(model, kv, exact=False)
+    seqs = [SequenceKV(kv) for _ in range(args.batch)]
+    for i, s in enumerate(seqs):
+        s.reserve(args.context + 4)
+        model.forward(prefill_step(s, [1 + i] * args.context), kv)
+    tokens, pos = [2] * args.batch, [args.context] * args.batch
+
+    def step() -> float:
+        t = time.perf_counter()
+        dec.forward(decode_step(seqs, tokens, pos), tokens_only=True)
+        return time.perf_counter() - t
+
+    for _ in range(5):
+        step()
+    values: list[int | None] = list(args.prefetch) or [None]
+    times: dict[int | None, list[float]] = {v: [] for v in values}
+    for _ in range(args.rounds):
+        for v in values:
+            if v is not None:
+                lib.ss_set_prefetch(v)
+            step()   # the first step after a change is not counted
+            times[v] += [step() for _ in range(args.per)]
+    base = statistics.median(times[values[0]])
+    for v in values:
+        med = statistics.median(times[v])
+        label = "default prefetch" if v is None else f"prefetch {v} B"
+        print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
+              f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")
+
+
+if __name__ == "__main__":
+    main()
