@@ -521,7 +521,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
     // scales widened four at a time; the offset term (Q5_0: -16 d, Q5_1: m) in the same pass
     __m128 acc[MAX_ROWS], accm[MAX_ROWS];
     __m256 acc1[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
     __m256 xs8 = _mm256_setzero_ps(), xm8 = xs8;   // IQ4_XS, Q5_K: the current super-block's scales (and offsets)
@@ -576,7 +576,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
         }
         const __m128 o4 = t == QT_R_Q5_1 ? qt_f16x4(mh + 2 * g)
                         : t == QT_R_Q5_K ? (g & 4 ? _mm256_extractf128_ps(xm8, 1) : _mm256_castps256_ps128(xm8)) : s4;
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + g * 32;
             __m256i p[4];
             for (int j = 0; j < 4; j++) {
@@ -603,7 +603,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
                 wq[j] = _mm256_sign_epi8(ws[j], ws[j]);
             }
         }
-        for (int b = 0; b < nb; b++)
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++)
             for (int j = 0; j < 2; j++) {
                 const int64_t i = (int64_t)b * G + g + j;
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + 32 * (g + j)));
@@ -612,7 +612,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
                 if (mins) accm[b] = _mm_add_ss(accm[b], _mm_set_ss(mo[j] * xs[i]));
             }
     }
-    for (int b = 0; b < nb; b++) {
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
         const float m = hsum128(accm[b]);
         out[b] = hsum128(acc[b]) + hsum256(acc1[b]) + (t == QT_R_Q5_0 ? -16.f * m : m);
     }
@@ -704,7 +704,7 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
     const uint8_t *hi = w + 16 * G, *scb = w + 24 * G, *dh = w + 26 * G;
     __m128 acc[MAX_ROWS];
     __m256 acc8[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc8[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc8[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
     for (int sb = 0; sb < K / 256; sb++) {
         const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb));
@@ -726,7 +726,7 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
                 const int gi = 4 * qd + j;
                 sp[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((2 * gi) | ((2 * gi + 1) << 8))));
             }
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const int8_t *a = xq + (int64_t)b * K + g * 32;
                 __m256i p[4];
                 for (int j = 0; j < 4; j++) {
@@ -745,7 +745,7 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc8[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc8[b]);
 }
 #endif
 
@@ -784,14 +784,14 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
         qt_unpack_row32(t, w, K, q, sc, mn);
         q8q8_row(q, sc, G, xq, xd, nb, out);
         if (mins)
-            for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
         return;
     }
     QTBlock u;
 #if defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
     float accm[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), accm[b] = 0.f;
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), accm[b] = 0.f;
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     for (int blk = 0; blk < K / QK; blk++) {
         qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
@@ -803,7 +803,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
             const __m256 mv = _mm256_set_m128(_mm_set1_ps(u.mn[2 * c + 1]), _mm_set1_ps(u.mn[2 * c]));
             const int g = blk * (QK / 32) + c;
             (void)mv;
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const __m256i av = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + 32 * g));
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(av, qv)), ones16);
                 const __m256 dx = _mm256_set1_ps(xd[(int64_t)b * G + g]);
@@ -817,7 +817,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + accm[b];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]) + accm[b];
 #else
     (void)xs;
     float acc[MAX_ROWS] = {0};
@@ -826,7 +826,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
         for (int s = 0; s < QK / 16; s++) {
             const int g = (blk * QK + 16 * s) / 32;
             const int8_t *qs = u.q + 16 * s;
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const int8_t *a = xq + (int64_t)b * K + blk * QK + 16 * s;
 #if defined(SS_NEON) && defined(__ARM_FEATURE_DOTPROD)
                 const int32_t dot = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(qs), vld1q_s8(a)));
@@ -847,7 +847,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = acc[b];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 #endif
 }
 
@@ -890,11 +890,11 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
         qt_unpack_row32(t, w, K, q, sc, mn);
         q8f_row(q, sc, G, x, K, nb, out);
         if (qt_has_min(t))
-            for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] += ss_min_term(mn, xs + (int64_t)b * G, G);
         return;
     }
     if (t == QT_F16 || t == QT_BF16) {
-        for (int b = 0; b < nb; b++) {
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const float *xb = x + (int64_t)b * K;
             int i = 0;
             float s = 0.f;
@@ -917,7 +917,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
     QTBlock u;
 #if defined(SS_AVX2)
     __m256 acc[MAX_ROWS];
-    for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     for (int blk = 0; blk < K / QK; blk++) {
         qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
@@ -925,7 +925,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
             const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q16));
             const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q16, 8)));
             const __m256 sv = _mm256_set1_ps(u.sc[s]), mv = _mm256_set1_ps(u.mn[s]);
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
                 const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
                 const __m256 tq = _mm256_fmadd_ps(w1, x1, _mm256_mul_ps(w0, x0));
@@ -934,13 +934,13 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum256(acc[b]);
 #else
     float acc[MAX_ROWS] = {0};
     for (int blk = 0; blk < K / QK; blk++) {
         qt_unpack_at(t, w, K, blk, &(QTOut){u.q, u.sc, u.mn});
         for (int s = 0; s < QK / 16; s++) {
-            for (int b = 0; b < nb; b++) {
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const float *xg = x + (int64_t)b * K + blk * QK + 16 * s;
                 float dot = 0.f, sum = 0.f;
                 for (int j = 0; j < 16; j++) dot += (float)u.q[16 * s + j] * xg[j], sum += xg[j];
@@ -948,7 +948,7 @@ AI void qt_f_row_t(const int t, const uint8_t *w, int K, const float *x, const f
             }
         }
     }
-    for (int b = 0; b < nb; b++) out[b] = acc[b];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 #endif
 }
 
