@@ -75,7 +75,7 @@ static void q4_rows(void) {
         double one = 1e9;
         for (int r = 0; r < REPS; r++) {
             double t = now();
-#define Q4P(NB) for (int n = 0; n < N; n++) { q4p_row(w + (size_t)n * K / 2, sh + n * G, mh + n * G, 1, 1, G, xp, xd, xe, xs, NB, out); SINK(out); }
+#define Q4P(NB) for (int n = 0; n < N; n++) { q4p_row(w + (size_t)n * K / 2, sh + n * G, mh + n * G, 1, G, xp, xd, xe, xs, NB, out); SINK(out); }
             SS_BY_ROWS(nb, Q4P)
 #undef Q4P
             if (now() - t < one) one = now() - t;

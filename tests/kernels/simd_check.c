@@ -174,10 +174,8 @@ static int check_q4_widths(void) {
             q4q8_row(w, sc, mn, G, xqc, xdc, xsc, nb, out);
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 widths", G * 100 + nb);
 #if defined(SS_AVX2) && defined(__F16C__)
-            q4p_row(w, sch, mnh, 1, 0, G, xqc, xdc, NULL, xsc, nb, out);
-            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 fp16 scales", G * 100 + nb);
             // the activations paired beforehand, as the step does (each row in two tiles, split at an
-            // odd group when there is one)
+            // odd group when there is one); fp16 scales, then fp32
             static int8_t xp[MAX_ROWS * KMAX];
             static float xe[MAX_ROWS * 4 * GMAX];
             for (int r = 0; r < nb; r++) {
@@ -185,8 +183,10 @@ static int check_q4_widths(void) {
                 ss_pair_groups(xqc + r * K, xdc + r * G, K, cut < G ? cut : G, G, xp + r * K, xe + r * 4 * G);
                 ss_pair_groups(xqc + r * K, xdc + r * G, K, 0, cut < G ? cut : G, xp + r * K, xe + r * 4 * G);
             }
-            q4p_row(w, sch, mnh, 1, 1, G, xp, xdc, xe, xsc, nb, out);
-            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired", G * 100 + nb);
+            q4p_row(w, sch, mnh, 1, G, xp, xdc, xe, xsc, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired fp16", G * 100 + nb);
+            q4p_row(w, sc, mn, 0, G, xp, xdc, xe, xsc, nb, out);
+            for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired fp32", G * 100 + nb);
             // the q8 product on the same paired rows: codes -127..127, fp16 and fp32 scales
             static int8_t w8[KMAX];
             for (int i = 0; i < K; i++) w8[i] = (int8_t)irand(-127, 127);
@@ -203,9 +203,9 @@ static int check_q4_widths(void) {
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want8[r], 1e-4, "q8q8 paired fp32", G * 100 + nb);
             // a row's result never depends on the rows beside it (batches equal each prompt alone)
             float many[MAX_ROWS], one;
-            q4p_row(w, sch, mnh, 1, 1, G, xp, xdc, xe, xsc, nb, many);
+            q4p_row(w, sch, mnh, 1, G, xp, xdc, xe, xsc, nb, many);
             for (int r = 0; r < nb; r++) {
-                q4p_row(w, sch, mnh, 1, 1, G, xp + r * K, xdc + r * G, xe + r * 4 * G, xsc + r * G, 1, &one);
+                q4p_row(w, sch, mnh, 1, G, xp + r * K, xdc + r * G, xe + r * 4 * G, xsc + r * G, 1, &one);
                 if (one != many[r]) { printf("q4p_row row %d of %d differs alone (G %d)\n", r, nb, G); ok = 0; }
             }
             q8p_row(w8, sch, 1, G, xp, xdc, xe, nb, many);

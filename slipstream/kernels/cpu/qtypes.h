@@ -373,6 +373,13 @@ AI float qt_rb_offset(const int t, const uint8_t *w, int G, int g) {
 }
 
 #if defined(SS_AVX2)
+// four groups' 4-bit codes (64 bytes of the nibble plane) -> one byte per code: c[0] = low nibbles of
+// bytes 0-31, c[1] their high nibbles, c[2], c[3] the same for bytes 32-63
+AI void qt_rb_nibbles4(const uint8_t *p, __m256i m4, __m256i c[4]) {
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)p), v1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+    c[0] = _mm256_and_si256(v0, m4), c[1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+    c[2] = _mm256_and_si256(v1, m4), c[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+}
 // the fifth bits of four groups' codes (16 bytes of the high plane) -> 16 or 0 per code byte
 AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
     const __m128i x = _mm_loadu_si128((const __m128i *)p);
@@ -409,10 +416,8 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
     // four groups per step, as the fast product reads them
     const __m256i m4 = _mm256_set1_epi8(15), kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
     for (; g0 + 4 <= G; g0 += 4) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g0));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g0 + 32));
-        __m256i c[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
-                        _mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+        __m256i c[4];
+        qt_rb_nibbles4(w + 16 * g0, m4, c);
         __m256i h[4];
         if (qt_rb_q5(t)) qt_rb_high4(hb + 4 * g0, h);
         for (int j = 0; j < 4; j++) {
@@ -527,10 +532,8 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
     __m256 xs8 = _mm256_setzero_ps(), xm8 = xs8;   // IQ4_XS, Q5_K: the current super-block's scales (and offsets)
     int g = 0;
     for (; g + 4 <= G; g += 4) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g + 32));
-        __m256i wq[4] = {_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4),
-                         _mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4)};
+        __m256i wq[4];
+        qt_rb_nibbles4(w + 16 * g, m4, wq);
         __m256i ws[4];
         if (q5) {
             __m256i h[4];

@@ -48,9 +48,6 @@
 // inside the step's large product function GCC otherwise kept them in a stack array, a load and a
 // store per update (seen with perf annotate: the hottest instruction of the batch-8 step).
 #define SS_UNROLL_ROWS _Pragma("GCC unroll 8")
-#ifndef Q4P_ONE_PAIR
-#define Q4P_ONE_PAIR 1
-#endif
 #define MAX_ROWS 8   // activation rows that share one pass over a weight row
 #ifndef SS_Q4_PAIRS
 #define SS_Q4_PAIRS 1   // the step's AVX2 q4 products through q4p_row (paired activations); 0: q4q8_row
@@ -321,7 +318,8 @@ AI float ss_min_term(const float *mn, const float *xs, int G) { return ss_dot(mn
 #if defined(SS_AVX2)
 // The AVX2 q4 product, two groups per step. A 32-byte load holds groups g and g+1 (16 bytes each);
 // its low nibbles are elements 0-15 of both, its high nibbles elements 16-31, so the activations'
-// 16-byte halves are paired the same way across the two 128-bit lanes (vperm2i128). The two u8 x s8
+// 16-byte halves are paired the same way across the two 128-bit lanes, once per step when the
+// activation is written (ss_pair_groups), not per weight row. The two u8 x s8
 // products of a pair then sum in int16 (|sum| <= 4 * 15 * 128) and one madd widens them: 8 lanes,
 // four per group, scaled by [s_g x4 | s_g+1 x4]. Fewer instructions per group than decoding each
 // group to 32 codes and reducing four groups horizontally (benchmarks/row_kernels.c). Scales and
@@ -348,20 +346,19 @@ AI float q4p_scale1(const void *s, int half, int g) {
 #endif
     return ((const float *)s)[g];
 }
-// groups g, g+1 of activation row a against the pair's nibbles: 8 int32 lanes, four per group
-// (paired: the activation row is already laid out that way, ss_pair_groups)
-AI __m256i q4p_pair(__m256i lo, __m256i hi, const int8_t *a, int paired) {
+// groups g, g+1 of a paired activation row a (ss_pair_groups) against the pair's nibbles: 8 int32 lanes,
+// four per group
+AI __m256i q4p_pair(__m256i lo, __m256i hi, const int8_t *a) {
     const __m256i a0 = _mm256_loadu_si256((const __m256i *)a), a1 = _mm256_loadu_si256((const __m256i *)(a + 32));
 #ifdef SS_VNNI   // four products per int32 lane, all of one group: two instructions for the pair
-    return SS_DPBUSD(SS_DPBUSD(_mm256_setzero_si256(), lo, paired ? a0 : _mm256_permute2x128_si256(a0, a1, 0x20)),
-                     hi, paired ? a1 : _mm256_permute2x128_si256(a0, a1, 0x31));
+    return SS_DPBUSD(SS_DPBUSD(_mm256_setzero_si256(), lo, a0), hi, a1);
 #endif
-    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, paired ? a0 : _mm256_permute2x128_si256(a0, a1, 0x20)),
-                                         _mm256_maddubs_epi16(hi, paired ? a1 : _mm256_permute2x128_si256(a0, a1, 0x31)));
+    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, a0), _mm256_maddubs_epi16(hi, a1));
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
-// xe: the rows' scales xd four times each ([nb][4G], ss_pair_groups), or NULL (taken from xd)
-AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int paired, int G, const int8_t *xq,
+// xp, xe: the rows' paired codes and their scales four times each ([nb][K], [nb][4G]: ss_pair_groups);
+// xd: the plain scales (an odd last group's); xs: the per-group sums (the min term)
+AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int G, const int8_t *xp,
                 const float *xd, const float *xe, const float *xs, int nb, float *out) {
     const int K = G * 32;
     __m256 acc[MAX_ROWS];   // one chain per row, the same whatever nb: a row's result never depends on its neighbours
@@ -373,41 +370,17 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
     int g = 0;
     for (; g + 8 <= G; g += 8) {
         const __m256 s8 = q4p_scales8(sc, half, g), m8 = q4p_scales8(mn, half, g);
-#if Q4P_ONE_PAIR
         _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {   // one pair at a time: few live registers at 8 rows
             const __m256i idx = j == 0 ? i01 : j == 1 ? i23 : j == 2 ? i45 : i67;
             const __m256i r = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j) * 16));
             const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
             const __m256 sp = _mm256_permutevar8x32_ps(s8, idx);
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4)
-                                    : _mm256_permutevar8x32_ps(_mm256_loadu_ps(xd + (int64_t)b * G + g), idx);
-                const __m256 p = _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + (g + 2 * j) * 32, paired));
+                const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4);
+                const __m256 p = _mm256_cvtepi32_ps(q4p_pair(lo, hi, xp + (int64_t)b * K + (g + 2 * j) * 32));
                 acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), p, acc[b]);
             }
         }
-#else
-        for (int h = 0; h < 2; h++) {   // two halves of four groups: fewer live registers at 8 rows
-            const __m256i r0 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h) * 16));
-            const __m256i r1 = _mm256_loadu_si256((const __m256i *)(w + (g + 4 * h + 2) * 16));
-            const __m256i lo0 = _mm256_and_si256(r0, m4), hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
-            const __m256i lo1 = _mm256_and_si256(r1, m4), hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
-            const __m256 sp0 = _mm256_permutevar8x32_ps(s8, h ? i45 : i01), sp1 = _mm256_permutevar8x32_ps(s8, h ? i67 : i23);
-            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                const int8_t *a = xq + (int64_t)b * K + (g + 4 * h) * 32;
-                __m256 d0, d1;
-                if (xe) {
-                    d0 = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 4 * h) * 4);
-                    d1 = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 4 * h) * 4 + 8);
-                } else {
-                    const __m256 d8 = _mm256_loadu_ps(xd + (int64_t)b * G + g);
-                    d0 = _mm256_permutevar8x32_ps(d8, h ? i45 : i01), d1 = _mm256_permutevar8x32_ps(d8, h ? i67 : i23);
-                }
-                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp0, d0), _mm256_cvtepi32_ps(q4p_pair(lo0, hi0, a, paired)), acc[b]);
-                acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp1, d1), _mm256_cvtepi32_ps(q4p_pair(lo1, hi1, a + 64, paired)), acc[b]);
-            }
-        }
-#endif
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + (int64_t)b * G + g), acc[b]);
     }
     for (; g + 2 <= G; g += 2) {
@@ -416,18 +389,17 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
         const __m256i r = _mm256_loadu_si256((const __m256i *)(w + g * 16));
         const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-            const __m128 d2 = _mm_castpd_ps(_mm_load_sd((const double *)(xd + (int64_t)b * G + g)));
-            const __m256 d = xe ? _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4) : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d2), i01);
-            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xq + (int64_t)b * K + g * 32, paired)), acc[b]);
+            const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4);
+            acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xp + (int64_t)b * K + g * 32)), acc[b]);
             tail[b] += hsum128(_mm_mul_ps(m2, _mm_castpd_ps(_mm_load_sd((const double *)(xs + (int64_t)b * G + g)))));
         }
     }
-    if (g < G) {   // an odd last group
+    if (g < G) {   // an odd last group: left unpaired (natural order) by ss_pair_groups
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16)), m4x = _mm_set1_epi8(15);
         const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4x), _mm_and_si128(raw, m4x));
         const float s = q4p_scale1(sc, half, g), m = q4p_scale1(mn, half, g);
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-            const __m256i p = ss_dot_u8s8(wq, _mm256_loadu_si256((const __m256i *)(xq + (int64_t)b * K + g * 32)));
+            const __m256i p = ss_dot_u8s8(wq, _mm256_loadu_si256((const __m256i *)(xp + (int64_t)b * K + g * 32)));
             tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(p)) + m * xs[(int64_t)b * G + g];
         }
     }

@@ -204,14 +204,13 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                     const int8_t *xq = x->q + (int64_t)b0 * K;
                     const float *xd = x->d + (int64_t)b0 * G;
 #if defined(SS_AVX2)
-                    if (SS_Q4_PAIRS) {   // fp16 scales read as they are (F16C); activations paired once per step
+                    if (SS_Q4_PAIRS && x->p) {   // fp16 scales read as they are (F16C); activations paired once per step
                         const int direct = half && q4_half_direct;
                         const void *sp = direct ? (const void *)((const uint16_t *)m->scale + (int64_t)n * G) : (const void *)sc;
                         const void *mp = direct ? (const void *)((const uint16_t *)m->min + (int64_t)n * G) : (const void *)mn;
-                        const int paired = x->p != NULL;
-                        const int8_t *xp = paired ? x->p + (int64_t)b0 * K : xq;
-                        const float *xe = paired ? x->e + (int64_t)b0 * 4 * G : NULL;
-#define Q4P(NB) q4p_row(w, sp, mp, direct, paired, G, xp, xd, xe, xs, NB, out)
+                        const int8_t *xp = x->p + (int64_t)b0 * K;
+                        const float *xe = x->e + (int64_t)b0 * 4 * G;
+#define Q4P(NB) q4p_row(w, sp, mp, direct, G, xp, xd, xe, xs, NB, out)
                         SS_BY_ROWS(nb, Q4P)
 #undef Q4P
                     } else
