@@ -178,6 +178,9 @@ class SequenceKV:
     num_hashed_blocks: int = 0    # leading full blocks already registered in the prefix cache
     last_hash: int | None = None  # hash of the last registered block (the chain's parent)
     num_dropped: int = 0          # leading blocks given back (outside the window); they map to the spare
+    # the slots of the table's first blocks as (those blocks, their slots): `read_slots` of a scattered
+    # table slices it instead of recomputing every slot at every decode step
+    _gathered: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def blocks_needed(self, total_tokens: int) -> int:
         return max(0, -(-total_tokens // self.cache.block_size) - len(self.block_table))
@@ -189,6 +192,8 @@ class SequenceKV:
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.cache.block_size
+        if end - start == 1:   # one decode token: a table lookup, not five tensor ops
+            return torch.tensor([self.block_table[start // bs] * bs + start % bs])
         pos = torch.arange(start, end)
         table = torch.tensor(self.block_table, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
@@ -205,7 +210,21 @@ class SequenceKV:
     def read_slots(self, end: int) -> tuple[int, int] | torch.Tensor:
         """Where attention reads tokens [0, end): a slot range when contiguous, else the slot ids."""
         rng = self.contiguous_range(end)
-        return rng if rng is not None else self.slots(0, end)
+        return rng if rng is not None else self._gathered_slots(end)
+
+    def _gathered_slots(self, end: int) -> torch.Tensor:
+        """`slots(0, end)` sliced from the cached slots of the whole table, rebuilt when the table has
+        grown past them or changed (compared with the table itself, so an in-place change is seen)."""
+        bs = self.cache.block_size
+        nb = -(-end // bs)
+        if nb > len(self.block_table):
+            return self.slots(0, end)   # slots not reserved: its error
+        have = self._gathered
+        if have is None or len(have[0]) < nb or have[0] != self.block_table[:len(have[0])]:
+            blocks = list(self.block_table)
+            slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)).reshape(-1)
+            self._gathered = have = (blocks, slots)
+        return have[1][:end]
 
     def drop_outside_window(self) -> int:
         """Give back the leading blocks that no later token can see when every layer attends over its
@@ -230,6 +249,7 @@ class SequenceKV:
     def release(self) -> None:
         self.cache.allocator.free(self.block_table[self.num_dropped:])
         self.block_table = []
+        self._gathered = None
         self.num_tokens = 0
         self.num_hashed_blocks = 0
         self.last_hash = None

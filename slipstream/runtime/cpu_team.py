@@ -16,6 +16,7 @@ short chunks that sit beside running decodes); longer prompts run on the eager p
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from collections import OrderedDict
 from typing import Any
@@ -113,6 +114,11 @@ class _Buffers:
             self.hx = _Act(pairs, c.hidden_size)
             self.eact = _Act(pairs, e.ffn)
             self.sact = _Act(rows, max(32, e.shared_ffn))
+        # the fields that never change between steps, built once (ctypes structs are copied into SSStep)
+        self.fixed = (self.h.struct(), self.qkv.data_ptr(), self.attn.struct(), self.act.struct(),
+                      self.logits.data_ptr(), self.next_tokens.data_ptr())
+        self.moe_fields = self.moe_args()
+        self.logits_np, self.next_tokens_np = self.logits.numpy(), self.next_tokens.numpy()
 
     def moe_args(self) -> tuple:
         """SSStep's MoE fields (nulls for a dense model)."""
@@ -258,6 +264,10 @@ class CpuTeamDecoder:
         """Every row's context slots, concatenated, and where each row's start ([rows + 1]). A slice of
         several tokens (a prompt chunk) becomes one row per token, token j seeing the slice's context
         up to itself: causal attention as separate rows, the way speculative verification rows are."""
+        if all(s.length == 1 for s in step.seqs):   # decode rows only (the usual step): no index arithmetic
+            reads = [torch.arange(s.read[0], s.read[1]) if isinstance(s.read, tuple) else s.read for s in step.seqs]
+            slots = (torch.cat(reads) if len(reads) > 1 else reads[0]).to(torch.int64).contiguous()
+            return slots, torch.tensor([0, *itertools.accumulate(s.context for s in step.seqs)])
         parts, lengths = [], []
         for s in step.seqs:
             first = s.context - s.length + 1           # the first token's context
@@ -304,13 +314,12 @@ class CpuTeamDecoder:
         slots, starts = self._rows(step)
         write = step.write_slots.to(torch.int64).contiguous()
         args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
-                      cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), st.h.struct(), st.qkv.data_ptr(),
-                      st.attn.struct(), st.act.struct(), st.logits.data_ptr(), st.next_tokens.data_ptr(),
-                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_args())
+                      cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), *st.fixed,
+                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields)
         table = self._table(B, n_out, tokens_only)
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
                          self._events.ctypes.data, len(self._events), int(self.exact))
-        out = st.next_tokens if tokens_only else st.logits
+        out = st.next_tokens_np if tokens_only else st.logits_np
         # a numpy copy (one thread): torch's clone runs on its intra-op threads, which wait on this team's
         # spinning threads right after the step (measured ~10 ms per step on the 2-core CPU against ~20 us)
-        return torch.from_numpy(out[:n_out].numpy().copy())
+        return torch.from_numpy(out[:n_out].copy())
