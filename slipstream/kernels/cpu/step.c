@@ -152,20 +152,22 @@ enum { q4_half_direct = 1 };   // fp16 q4 scales go to q4p_row as they are
 #else
 enum { q4_half_direct = 0 };
 #endif
-#if defined(SS_AVX2)
-// Rows [n0, n1) of a q4 or q8 matrix over paired activations, up to MAX_ROWS of them: one loop nest
-// per (kind, row count), in a function of its own. Inlined into mat_rows' one row loop with every
-// other kernel, GCC kept the kernels' constants live across all of them and spilled (perf annotate
-// of the batch-8 step: stack reloads among the hottest instructions); a call per row instead cost
-// the batch-1 step 3-5%. Same kernels, same summation order as mat_rows' own calls.
-__attribute__((noinline)) static void paired_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
-                                                  int ystride, int accumulate, int half, int pf_rows,
-                                                  int64_t code_bytes, int64_t scale_bytes) {
+// Rows [n0, n1) of a q4 or q8 matrix against up to MAX_ROWS activation rows: one loop nest per (kind,
+// path, row count), in a function of its own. Inlined into mat_rows' one row loop with every other
+// kernel, GCC kept the kernels' constants live across all of them and spilled them (perf annotate of
+// the batch-8 step: stack reloads among the hottest instructions); a call per row instead cost the
+// batch-1 step 3-5%. Same kernels, same summation order as mat_rows' general loop (which still takes
+// more rows than MAX_ROWS and the other kinds). fp16 scales: read as they are by the AVX2 paired
+// products (F16C), widened per row for the others.
+__attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
+                                             int ystride, int accumulate, int exact, int half, int pf_rows,
+                                             int64_t code_bytes, int64_t scale_bytes) {
     const int K = m->k, G = K / 32;
-    const int8_t *xp = x->p;
-    const float *xd = x->d, *xe = x->e, *xs = x->s;
+    const float *xf = x->f, *xd = x->d, *xs = x->s;
+    const int8_t *xq = x->q;
     const int64_t sstep = (int64_t)G * (half ? 2 : 4);   // bytes of scales per row
-#define PR_PREFETCH(n)                                                                             \
+    float *scb = alloca(sizeof(float) * G), *mnb = alloca(sizeof(float) * G);
+#define QR_PREFETCH(n)                                                                             \
     if (pf_rows && (n) + pf_rows < m->n) {                                                          \
         const int64_t r = (n) + pf_rows;                                                            \
         const char *c = (const char *)m->q + r * code_bytes;                                        \
@@ -173,39 +175,59 @@ __attribute__((noinline)) static void paired_rows(const SSMat *m, int n0, int n1
         __builtin_prefetch((const char *)m->scale + r * scale_bytes, 0, 2);                         \
         if (m->min) __builtin_prefetch((const char *)m->min + r * scale_bytes, 0, 2);               \
     }
-#define PR_STORE(n, NB)                                                                            \
+#define QR_STORE(n, NB)                                                                            \
     for (int b = 0; b < (NB); b++) {                                                                \
         float *yo = y + (int64_t)b * ystride + (n);                                                 \
         const float v = m->bias ? out[b] + m->bias[n] : out[b];                                     \
         *yo = accumulate ? *yo + v : v;                                                             \
     }
-#define PR_Q4(NB)                                                                                  \
+#define QR_SCALES(n)   /* the row's scales (and mins) as fp32 */                                  \
+    const float *sc = (const float *)m->scale + (int64_t)(n) * G;                                   \
+    const float *mn = m->min ? (const float *)m->min + (int64_t)(n) * G : NULL;                     \
+    if (half) {                                                                                     \
+        ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G), sc = scb;                \
+        if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G), mn = mnb;      \
+    }
+#define QR_LOOP(NB, BODY)                                                                          \
     for (int n = n0; n < n1; n++) {                                                                 \
         float out[MAX_ROWS];                                                                        \
-        PR_PREFETCH(n)                                                                              \
-        q4p_row((const uint8_t *)m->q + (int64_t)n * (K / 2), (const char *)m->scale + n * sstep,   \
-                (const char *)m->min + n * sstep, half, G, xp, xd, xe, xs, NB, out);                \
-        PR_STORE(n, NB)                                                                             \
+        QR_PREFETCH(n)                                                                              \
+        BODY                                                                                        \
+        QR_STORE(n, NB)                                                                             \
     }
-#define PR_Q8(NB)                                                                                  \
-    for (int n = n0; n < n1; n++) {                                                                 \
-        float out[MAX_ROWS];                                                                        \
-        PR_PREFETCH(n)                                                                              \
-        q8p_row((const int8_t *)m->q + (int64_t)n * K, (const char *)m->scale + n * sstep, half, G, \
-                xp, xd, xe, NB, out);                                                               \
-        PR_STORE(n, NB)                                                                             \
+#define W4(n) ((const uint8_t *)m->q + (int64_t)(n) * (K / 2))
+#define W8(n) ((const int8_t *)m->q + (int64_t)(n) * K)
+#define Q4F(NB) QR_LOOP(NB, QR_SCALES(n) q4f_row(W4(n), sc, mn, G, xf, K, xs, NB, out);)
+#define Q8F(NB) QR_LOOP(NB, QR_SCALES(n) q8f_row(W8(n), sc, G, xf, K, NB, out);)
+#define Q4Q(NB) QR_LOOP(NB, QR_SCALES(n) q4q8_row(W4(n), sc, mn, G, xq, xd, xs, NB, out);)
+#define Q8Q(NB) QR_LOOP(NB, QR_SCALES(n) q8q8_row(W8(n), sc, G, xq, xd, NB, out);)
+#if defined(SS_AVX2)
+#define Q4P(NB) QR_LOOP(NB, q4p_row(W4(n), (const char *)m->scale + n * sstep, (const char *)m->min + n * sstep, \
+                                    half, G, x->p, xd, x->e, xs, NB, out);)
+#define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
+    if (!exact && SS_Q4_PAIRS && x->p && (!half || q4_half_direct)) {
+        if (m->kind == KIND_Q4) { SS_BY_ROWS(nb, Q4P) } else { SS_BY_ROWS(nb, Q8P) }
+        return;
     }
-    if (m->kind == KIND_Q4) {
-        SS_BY_ROWS(nb, PR_Q4)
-    } else {
-        SS_BY_ROWS(nb, PR_Q8)
-    }
-#undef PR_Q8
-#undef PR_Q4
-#undef PR_STORE
-#undef PR_PREFETCH
-}
+#undef Q8P
+#undef Q4P
 #endif
+    if (exact) {
+        if (m->kind == KIND_Q4) { SS_BY_ROWS(nb, Q4F) } else { SS_BY_ROWS(nb, Q8F) }
+    } else {
+        if (m->kind == KIND_Q4) { SS_BY_ROWS(nb, Q4Q) } else { SS_BY_ROWS(nb, Q8Q) }
+    }
+#undef Q8Q
+#undef Q4Q
+#undef Q8F
+#undef Q4F
+#undef W8
+#undef W4
+#undef QR_LOOP
+#undef QR_SCALES
+#undef QR_STORE
+#undef QR_PREFETCH
+}
 
 // y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
 static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, float *y, int ystride,
@@ -226,13 +248,10 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int64_t code_bytes = m->kind == KIND_QT ? row_bytes : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
     const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
-#if defined(SS_AVX2)
-    if (SS_Q4_PAIRS && !exact && x->p && B <= MAX_ROWS && (m->kind == KIND_Q4 || m->kind == KIND_Q8) &&
-        (!half || q4_half_direct)) {
-        paired_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, code_bytes, scale_bytes);
+    if (B <= MAX_ROWS && (m->kind == KIND_Q4 || m->kind == KIND_Q8)) {
+        q_rows(m, n0, n1, B, x, y, ystride, accumulate, exact, half, pf_rows, code_bytes, scale_bytes);
         return;
     }
-#endif
     for (int n = n0; n < n1; n++) {
         if (pf_rows && n + pf_rows < m->n) {
             const int64_t r = n + pf_rows;
