@@ -94,3 +94,15 @@ def test_fast_product_error_is_small_against_exact():
     exact, fast = _matmul(w, x, exact=True), _matmul(w, x, exact=False)
     assert ((fast - exact).norm() / exact.norm()).item() < 0.01
 
+
+
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("exact", [False, True])
+def test_zero_rows_touch_nothing(fmt: int, exact: bool):
+    """An empty batch (a prefill chunk of no tokens, x's pointer NULL) computes nothing and reads nothing:
+    the row loops dispatch on the row count, where 0 must not fall through to the 8-row body."""
+    w = _random_packed(fmt, 64, 96, seed=5)
+    m = w.ss_mat()
+    y = torch.full((1, 64), 7.0)
+    lib.ss_matmul(ctypes.byref(m), 0, None, y.data_ptr(), int(exact))
+    assert torch.equal(y, torch.full((1, 64), 7.0))

@@ -281,6 +281,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int64_t code_bytes = m->kind == KIND_QT ? row_bytes : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
     const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
+    if (B <= 0) return;   // no rows (an empty prefill chunk): SS_BY_ROWS would take 0 for 8
     if (B <= MAX_ROWS && (m->kind == KIND_Q4 || m->kind == KIND_Q8)) {
         q_rows(m, n0, n1, B, x, y, ystride, accumulate, exact, half, pf_rows, code_bytes, scale_bytes);
         return;
