@@ -60,7 +60,9 @@ def test_triton_decode_matches_eager(model):
     for _ in range(2):
         le = model.forward(decode_step(seqs_e, tokens, positions), kv_e)
         lt = tri.forward(decode_step(seqs_t, tokens, positions))
-        assert (le - lt).abs().max().item() < 2e-3, (le - lt).abs().max().item()
+        # 2 rows take the matvec's tensor-core path: activations (and int4 weights) as bf16 hi + lo parts,
+        # about 16 mantissa bits; logits of about 40 then differ by a few 1e-3 after the layers (argmax equal)
+        assert (le - lt).abs().max().item() < 5e-3, (le - lt).abs().max().item()
         assert le.argmax(-1).tolist() == lt.argmax(-1).tolist()
         tokens = le.argmax(-1).tolist()
         positions = [q + 1 for q in positions]
