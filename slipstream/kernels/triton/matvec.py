@@ -49,6 +49,17 @@ def _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT: tl.constex
 
 
 @triton.jit
+def _load_x(x_ptr, offs_m, m_mask, stride_x, offs_k, k_mask, nw_ptr, rstd, NORM: tl.constexpr):
+    """A [rows, K-chunk] tile of the activations as float32, RMS-normalised when NORM."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
+                mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        x = x * rstd[:, None] * nw[None, :]
+    return x
+
+
+@triton.jit
 def _dot(a, b, acc, F32: tl.constexpr):
     """acc + a @ b, float32 accumulation; F32 widens 16-bit operands first (the same products)."""
     if F32:
@@ -92,6 +103,7 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, lock_
     m_mask = offs_m < M
     n_mask = offs_n < N
     rows = offs_n.to(tl.int64)
+    rstd = tl.full((BLOCK_M,), 1.0, tl.float32)   # without NORM: unused
     if NORM:   # RMSNorm prologue: each row's 1/rms over all of K (cheap next to the weights)
         ss = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -141,11 +153,7 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, lock_
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_hi
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            if NORM:
-                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                x = x * rstd[:, None] * nw[None, :]
+            x = _load_x(x_ptr, offs_m, m_mask, stride_x, offs_k, k_mask, nw_ptr, rstd, NORM)
             if FMT == 0:   # [BLOCK_K, BLOCK_N], K contiguous: the weights as stored
                 wm_t = k_mask[:, None] & n_mask[None, :]
                 wt = tl.load(w_ptr + rows[None, :] * K + offs_k[:, None], mask=wm_t, other=0.0)
@@ -166,11 +174,7 @@ def _matvec_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, nw_ptr, out_ptr, part_ptr, lock_
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < k_hi
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            if NORM:
-                nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-                x = x * rstd[:, None] * nw[None, :]
+            x = _load_x(x_ptr, offs_m, m_mask, stride_x, offs_k, k_mask, nw_ptr, rstd, NORM)
             wm = n_mask[:, None] & k_mask[None, :]
             w = _load_w(w_ptr, s_ptr, mn_ptr, rows, offs_k, wm, K, n_groups, FMT, GROUP)
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
