@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from slipstream.errors import SlipstreamError
-from slipstream.kv.blocks import LatentKVCache, PagedKVCache
+from slipstream.kv.blocks import HybridKVCache, LatentKVCache, PagedKVCache
 from slipstream.models.base import Model
 from slipstream.step import StepInput
 from slipstream.weights.deepseek import DeepseekLayer, DeepseekMoe, DenseMlp, GqaAttention, MlaAttention
@@ -516,7 +516,10 @@ class TensorParallelModel:
     def forward(self, step: StepInput, kv: Any, return_hidden: bool = False) -> torch.Tensor:
         if return_hidden:
             raise SlipstreamError("tensor parallelism does not return hidden states (no MTP speculation)")
-        self.shard.comm.broadcast(("step", step))
+        # Gemma's hybrid cache: where each block's sliding-layer part is lives in rank 0's bookkeeping
+        # (the scheduler's); the other ranks' caches take its block -> part map with the step
+        parts = kv.local_of if isinstance(kv, HybridKVCache) else None
+        self.shard.comm.broadcast(("step", step, parts))
         return self.shard.forward(step, kv)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache | LatentKVCache:
@@ -548,4 +551,6 @@ def follow(shard: ShardedModel) -> None:
         if msg[0] == "kv":
             kv = shard.new_kv_cache(msg[1], msg[2])
         elif msg[0] == "step":
+            if msg[2] is not None:
+                kv.local_of.copy_(msg[2])
             shard.forward(msg[1], kv)

@@ -148,6 +148,105 @@ class PagedKVCache(_BlockCache):
         self.v[:, slots].zero_()
 
 
+class HybridKVCache(PagedKVCache):
+    """Gemma 2/3: sliding-window layers interleaved with global ones. The global layers keep every token
+    (`k`, `v`: [global layers, slots, KVH, D], as `PagedKVCache`); the sliding layers keep only what a
+    window can still see. Every block has a *local part* (`k_local`, `v_local`: [sliding layers, local
+    slots, KVH, D]) from its allocation until no sequence holding it has the block inside its window any
+    more; then the part goes back and `local_of[block]` points to a zeroed spare part. A block in the
+    prefix cache keeps its unheld part in an LRU list of at most `max_kept_parts` (default: four windows'
+    worth), so a conversation's next turn finds its last window; a prefix hit ends where the window it
+    needs still has its parts (`PrefixCache.match`). The sliding layers address the cache
+    through `local_slots`: same block tables and slot numbers, translated per block.
+
+    There are as many parts as blocks (plus the spare), so a part is there whenever a block is: the
+    scheduler counts blocks only. The memory saved is the pages never written: free parts are handed out
+    lowest first, so a long generation touches about a window's worth of parts per sequence in the
+    sliding layers while the global layers grow with it (CPU tensors commit pages when first written)."""
+
+    def __init__(self, sliding: list[bool], window: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if not any(sliding) or all(sliding):
+            raise ValueError("a hybrid cache needs both sliding and global layers")
+        super().__init__(sum(not s for s in sliding), num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        self.local_window = window
+        self.max_kept_parts = 4 * (-(-window // block_size) + 2)
+        n_local = sum(sliding)
+        # model layer -> (sliding?, index into k_local/v_local or k/v)
+        self.layer_index = [(s, sum(sliding[:i]) if s else sum(not t for t in sliding[:i]))
+                            for i, s in enumerate(sliding)]
+        shape = (n_local, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.k_local = torch.empty(shape, dtype=dtype, device=device)
+        self.v_local = torch.empty(shape, dtype=dtype, device=device)
+        self.spare_part = num_blocks                    # the last part: zeros, never handed out
+        rows = slice(num_blocks * block_size, (num_blocks + 1) * block_size)
+        self.k_local[:, rows].zero_()
+        self.v_local[:, rows].zero_()
+        self._free_parts = list(range(num_blocks - 1, -1, -1))    # pop() hands out low parts first
+        self._kept_parts: OrderedDict[int, None] = OrderedDict()   # blocks whose unheld part is kept (LRU)
+        self.local_ref = [0] * num_blocks               # sequences holding each block's part
+        self._local_of = [self.spare_part] * num_blocks
+        self.local_of = torch.full((num_blocks,), self.spare_part, dtype=torch.int64)
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(K, V, addressed through `local_slots`?) of a model layer."""
+        sliding, i = self.layer_index[layer]
+        return (self.k_local[i], self.v_local[i], True) if sliding else (self.k[i], self.v[i], False)
+
+    def local_slots(self, slots: torch.Tensor | tuple[int, int]) -> torch.Tensor:
+        """Where the sliding layers keep the tokens of these (global) slots; the spare's zeros where a
+        block's part is gone."""
+        s = torch.arange(slots[0], slots[1]) if isinstance(slots, tuple) else slots.to(torch.int64)
+        bs = self.block_size
+        return self.local_of[s // bs] * bs + s % bs
+
+    def has_part(self, block: int) -> bool:
+        return self._local_of[block] != self.spare_part
+
+    def _set_part(self, block: int, part: int) -> None:
+        self._local_of[block] = part
+        self.local_of[block] = part
+
+    def _give_back_part(self, block: int) -> None:
+        self._kept_parts.pop(block, None)
+        part = self._local_of[block]
+        if part != self.spare_part:
+            self._free_parts.append(part)
+            self._free_parts.sort(reverse=True)
+            self._set_part(block, self.spare_part)
+
+    def attach_parts(self, blocks: list[int]) -> None:
+        """Newly allocated blocks get a part each, held by the sequence that allocated them."""
+        for b in blocks:
+            self._give_back_part(b)      # a recycled prefix-cache block's kept part: its content is gone
+            if not self._free_parts:     # cannot happen with a part per block; keeps the LRU honest anyway
+                victim, _ = self._kept_parts.popitem(last=False)
+                self._give_back_part(victim)
+            self._set_part(b, self._free_parts.pop())
+            self.local_ref[b] = 1
+
+    def hold_part(self, block: int) -> None:
+        """One more sequence has this (shared) block inside its window."""
+        assert self.has_part(block), "holding a block whose part is gone"
+        self._kept_parts.pop(block, None)
+        self.local_ref[block] += 1
+
+    def release_part(self, block: int) -> None:
+        self.local_ref[block] -= 1
+        if self.local_ref[block] == 0:
+            if block in self.allocator.hash_of:   # findable by prefix: keep the part a while (LRU)
+                self._kept_parts[block] = None
+                while len(self._kept_parts) > self.max_kept_parts:
+                    self._give_back_part(next(iter(self._kept_parts)))
+            else:
+                self._give_back_part(block)
+
+    @property
+    def parts_in_use(self) -> int:
+        """Parts held or kept (the sliding layers' share of the cache)."""
+        return self.num_blocks - len(self._free_parts)
+
+
 class LatentKVCache(_BlockCache):
     """The MLA cache (DeepSeek-V3 / GLM-5): per token and layer only the normalised KV latent
     ([num_layers, slots, kv_lora_rank]) and the shared rotary key ([num_layers, slots, rope_dim]);
@@ -178,6 +277,7 @@ class SequenceKV:
     num_hashed_blocks: int = 0    # leading full blocks already registered in the prefix cache
     last_hash: int | None = None  # hash of the last registered block (the chain's parent)
     num_dropped: int = 0          # leading blocks given back (outside the window); they map to the spare
+    num_unheld: int = 0           # hybrid cache: leading blocks whose local part this sequence does not hold
     # the slots of the table's first blocks as (those blocks, their slots): `read_slots` of a scattered
     # table slices it instead of recomputing every slot at every decode step
     _gathered: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
@@ -188,7 +288,10 @@ class SequenceKV:
     def reserve(self, total_tokens: int) -> None:
         need = self.blocks_needed(total_tokens)
         if need > 0:
-            self.block_table += self.cache.allocator.allocate(need)
+            new = self.cache.allocator.allocate(need)
+            if isinstance(self.cache, HybridKVCache):
+                self.cache.attach_parts(new)
+            self.block_table += new
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.cache.block_size
@@ -234,7 +337,7 @@ class SequenceKV:
         keep their meaning. Returns how many blocks were given back."""
         window = self.cache.window
         if not window:
-            return 0
+            return self._drop_parts_outside_window()
         bs = self.cache.block_size
         keep_from = min(max(0, (self.num_tokens - window + 1) // bs - 1), len(self.block_table))
         if keep_from <= self.num_dropped:
@@ -246,7 +349,26 @@ class SequenceKV:
         self.num_dropped = keep_from
         return len(gone)
 
+    def _drop_parts_outside_window(self) -> int:
+        """A hybrid cache: the local parts of the blocks behind the sliding layers' window go back (the
+        blocks themselves stay: the global layers read them). Returns how many parts were let go."""
+        cache = self.cache
+        if not isinstance(cache, HybridKVCache):
+            return 0
+        keep_from = min(max(0, (self.num_tokens - cache.local_window + 1) // cache.block_size - 1),
+                        len(self.block_table))
+        if keep_from <= self.num_unheld:
+            return 0
+        gone = self.block_table[self.num_unheld:keep_from]
+        for b in gone:
+            cache.release_part(b)
+        self.num_unheld = keep_from
+        return len(gone)
+
     def release(self) -> None:
+        if isinstance(self.cache, HybridKVCache):
+            for b in self.block_table[self.num_unheld:]:
+                self.cache.release_part(b)
         self.cache.allocator.free(self.block_table[self.num_dropped:])
         self.block_table = []
         self._gathered = None
@@ -254,3 +376,4 @@ class SequenceKV:
         self.num_hashed_blocks = 0
         self.last_hash = None
         self.num_dropped = 0
+        self.num_unheld = 0

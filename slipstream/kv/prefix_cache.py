@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from slipstream.kv.blocks import LatentKVCache, PagedKVCache, SequenceKV
+from slipstream.kv.blocks import HybridKVCache, LatentKVCache, PagedKVCache, SequenceKV
 
 
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
@@ -49,6 +49,8 @@ class PrefixCache:
             alloc.share(b)
             seq.block_table.append(b)
             parent = h
+        if isinstance(self.cache, HybridKVCache):
+            parent = self._trim_to_local_parts(seq, parent)
         n = len(seq.block_table)
         seq.num_hashed_blocks = n
         seq.num_tokens = n * bs
@@ -56,6 +58,29 @@ class PrefixCache:
         if count:
             self.hit_tokens += n * bs
         return n * bs
+
+    def _trim_to_local_parts(self, seq: SequenceKV, parent: int | None) -> int | None:
+        """A hybrid cache: the sliding layers of the tokens after a hit read the hit's last window, so
+        the hit ends where every block of that window still has its local part (the longest such hit;
+        none at all is always possible). The sequence holds those parts; the blocks past the end go
+        back. Returns the hash of the hit's last block."""
+        cache, bs = self.cache, self.cache.block_size
+        assert isinstance(cache, HybridKVCache)
+        table = seq.block_table
+
+        def first_seen(n: int) -> int:   # the first block the token at position n * bs can see
+            return max(0, (n * bs - cache.local_window + 1) // bs)
+        n = len(table)
+        while n > 0 and not all(cache.has_part(b) for b in table[first_seen(n):n]):
+            n -= 1
+        if n < len(table):
+            cache.allocator.free(table[n:])
+            del table[n:]
+            parent = cache.allocator.hash_of.get(table[-1]) if table else None
+        for b in table[first_seen(n):]:
+            cache.hold_part(b)
+        seq.num_unheld = first_seen(n)
+        return parent
 
     def commit(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
         """Register the sequence's newly completed full blocks (token_ids covers its computed tokens)."""

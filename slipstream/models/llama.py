@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
-from slipstream.kv.blocks import PagedKVCache
+from slipstream.kv.blocks import HybridKVCache, PagedKVCache
 from slipstream.step import SeqSlice, StepInput
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear, matvec_only
@@ -146,6 +146,10 @@ class DecoderModel:
         """A paged cache on the model's device, of `dtype` elements (default: `kv_dtype`; on the CPU fp16
         halves its bytes: the step reads and writes it in fp32, converting on the way)."""
         c = self.cfg
+        sliding = [c.is_sliding(i) for i in range(c.num_layers)]
+        if c.sliding_window and any(sliding) and not all(sliding):   # Gemma 2/3: the sliding layers keep their window
+            return HybridKVCache(sliding, c.sliding_window, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                 dtype=dtype or self.kv_dtype, device=self.device)
         kv = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                           dtype=dtype or self.kv_dtype, device=self.device)
         kv.window = c.window_everywhere   # every layer slides: blocks out of the window go back
@@ -249,6 +253,8 @@ class DecoderModel:
             x = x * torch.tensor(c.embed_scale, dtype=torch.float32)
         rope_full = self._rope_tables(step.positions) if self.longrope is None else self.longrope.tables(step)
         rope_local = None if self.inv_freq_local is None else self._rope_tables(step.positions, self.inv_freq_local)
+        hybrid = kv if isinstance(kv, HybridKVCache) else None
+        local_step = _local_step(step, hybrid) if hybrid is not None else None
         for li, L in enumerate(self.layers):
             sliding = c.is_sliding(li)
             cos, sin = rope_local if sliding and rope_local is not None else rope_full
@@ -263,15 +269,19 @@ class DecoderModel:
                 k = F.rms_norm(k, (D,), L.k_norm, eps)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
-            lk, lv = kv.k[li], kv.v[li]
-            lk.index_copy_(0, step.write_slots, k.to(lk.dtype))
-            lv.index_copy_(0, step.write_slots, v.to(lv.dtype))
+            if hybrid is None or local_step is None:
+                lk, lv, at = kv.k[li], kv.v[li], step
+            else:   # Gemma's hybrid cache: the sliding layers address their own parts
+                lk, lv, local = hybrid.layer_cache(li)
+                at = local_step if local else step
+            lk.index_copy_(0, at.write_slots, k.to(lk.dtype))
+            lv.index_copy_(0, at.write_slots, v.to(lv.dtype))
             cap = c.attn_softcap
-            if len(step.seqs) == 1:
-                attn = self._attention(q, lk, lv, step.seqs[0], c.attn_scale, window, cap)
+            if len(at.seqs) == 1:
+                attn = self._attention(q, lk, lv, at.seqs[0], c.attn_scale, window, cap)
             else:
                 attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s, c.attn_scale,
-                                                  window, cap) for s in step.seqs])
+                                                  window, cap) for s in at.seqs])
             if L.post_attn_norm is None:
                 L.o(attn.reshape(T, qd), out=x, accumulate=True)
             else:   # Gemma: the attention output is normalized before the residual add
@@ -288,6 +298,14 @@ class DecoderModel:
         if c.final_softcap is not None:   # Gemma 2
             logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
         return (logits, h) if return_hidden else logits
+
+
+def _local_step(step: StepInput, kv: HybridKVCache) -> StepInput:
+    """The step as a hybrid cache's sliding layers see it: write slots and reads translated to their parts."""
+    dev = step.write_slots.device
+    seqs = [dataclasses.replace(s, read=kv.local_slots(s.read if isinstance(s.read, tuple) else s.read.cpu()).to(dev))
+            for s in step.seqs]
+    return dataclasses.replace(step, write_slots=kv.local_slots(step.write_slots.cpu()).to(dev), seqs=seqs)
 
 
 class LlamaModel(DecoderModel):

@@ -26,6 +26,7 @@ import torch
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, SSMat, SSModel, SSMoe, SSStep
+from slipstream.kv.blocks import HybridKVCache
 from slipstream.runtime import cpu_plan
 from slipstream.weights.moe import MoeLayer
 from slipstream.weights.quant import Linear
@@ -139,6 +140,9 @@ class CpuTeamDecoder:
         if why is not None:
             raise RuntimeError(why)
         kv_dtype = kv.k.dtype
+        # Gemma's hybrid cache: the sliding layers keep their window in parts of their own (kv.blocks)
+        self._hybrid = isinstance(kv, HybridKVCache)
+        caches = [kv.layer_cache(i) if self._hybrid else (kv.k[i], kv.v[i], False) for i in range(model.cfg.num_layers)]
         if kv_dtype not in KV_DTYPES or kv.v.dtype != kv_dtype or {kv.k.device.type, kv.v.device.type} != {"cpu"}:
             raise RuntimeError("the native runtime needs a float32 or float16 KV cache on the CPU")
         self.lib = load_library()
@@ -171,10 +175,11 @@ class CpuTeamDecoder:
             SSLayer(L.qkv.ss_mat(), L.o.ss_mat(), *((SSMat(), SSMat()) if isinstance(L, MoeLayer)
                                                     else (L.gate_up.ss_mat(), L.down.ss_mat())),
                     _ptr(L.attn_norm), _ptr(L.ffn_norm), _ptr(L.q_norm),
-                    _ptr(L.k_norm), kv.k[i].data_ptr(), kv.v[i].data_ptr(),
+                    _ptr(L.k_norm), caches[i][0].data_ptr(), caches[i][1].data_ptr(),
                     _ptr(L.post_attn_norm), _ptr(L.post_ffn_norm),
                     (c.sliding_window or 0) if c.is_sliding(i) else 0,
-                    int(c.is_sliding(i) and model.inv_freq_local is not None), int(kv_dtype == torch.float16), 0,
+                    int(c.is_sliding(i) and model.inv_freq_local is not None), int(kv_dtype == torch.float16),
+                    int(caches[i][2]),
                     self._moe_ptr(i))
             for i, L in enumerate(layers)])
         act = ACT_GELU_TANH if c.hidden_act == "gelu_tanh" else ACT_SILU
@@ -313,9 +318,13 @@ class CpuTeamDecoder:
             cos_l, sin_l = freqs_l.cos().contiguous(), freqs_l.sin().contiguous()
         slots, starts = self._rows(step)
         write = step.write_slots.to(torch.int64).contiguous()
+        write_l = slots_l = None
+        if self._hybrid:
+            write_l, slots_l = self.kv.local_slots(write).contiguous(), self.kv.local_slots(slots).contiguous()
         args = SSStep(B, 0, tokens.data_ptr(), write.data_ptr(), slots.data_ptr(), starts.data_ptr(),
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), *st.fixed,
-                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields)
+                      n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields,
+                      _ptr(write_l), _ptr(slots_l))
         table = self._table(B, n_out, tokens_only)
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
                          self._events.ctypes.data, len(self._events), int(self.exact))

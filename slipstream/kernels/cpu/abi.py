@@ -34,7 +34,7 @@ class SSLayer(ctypes.Structure):
     _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
                 ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P),
                 ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I), ("rope_local", _I),
-                ("kv_f16", _I), ("pad", _I), ("moe", ctypes.POINTER(SSMoe))]
+                ("kv_f16", _I), ("local_slots", _I), ("moe", ctypes.POINTER(SSMoe))]
 
 
 class SSModel(ctypes.Structure):
@@ -58,4 +58,4 @@ class SSStep(ctypes.Structure):
                 ("attn", SSAct), ("act", SSAct), ("logits", _P), ("next_tokens", _P),
                 ("n_out", _I), ("pad2", _I), ("out_rows", _P), ("cos_local", _P), ("sin_local", _P), ("tmp", _P),
                 ("router", _P), ("sgate", _P), ("moe_idx", _P), ("pair_w", _P), ("hx", SSAct), ("eact", SSAct),
-                ("sact", SSAct)]
+                ("sact", SSAct), ("write_slots_local", _P), ("read_slots_local", _P)]

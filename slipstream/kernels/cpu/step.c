@@ -60,7 +60,7 @@ typedef struct {
     int32_t window;           // sliding-window layer: a row sees its last `window` positions (0: all)
     int32_t rope_local;       // this layer rotates with the step's local RoPE tables
     int32_t kv_f16;           // the cache holds fp16 (K and V rounded when stored, widened when read)
-    int32_t pad;
+    int32_t local_slots;      // the cache is addressed through the step's local slots (Gemma's hybrid cache)
     const SSMoe *moe;         // a mixture-of-experts FFN instead of gate_up/down (NULL: dense)
 } SSLayer;
 
@@ -115,6 +115,8 @@ typedef struct {
     SSAct hx;                    // [rows * k][hidden] h's rows in pair order (each expert's rows contiguous)
     SSAct eact;                  // [rows * k][F] the experts' GLU outputs, in pair order
     SSAct sact;                  // [rows][Fs] the shared expert's GLU output
+    // a hybrid cache (Gemma 2/3): write_slots and read_slots as the sliding layers' parts hold them
+    const int64_t *write_slots_local, *read_slots_local;
 } SSStep;
 
 typedef struct {
@@ -485,7 +487,7 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, group = H / KVH;
     const int task = aux & 0xff, tasks = aux >> 8 > 1 ? aux >> 8 : 1;
     int64_t n = s->starts[b + 1] - s->starts[b];
-    const int64_t *sl = s->read_slots + s->starts[b];
+    const int64_t *sl = (L->local_slots ? s->read_slots_local : s->read_slots) + s->starts[b];
     if (L->window > 0 && n > L->window) {   // a sliding-window layer: the row's last `window` positions
         sl += n - L->window;
         n = L->window;
@@ -670,7 +672,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         for (int b = 0; b < B; b++) {
             const float *cs = (local ? s->cos_local : s->cos) + (int64_t)b * (m->rotary / 2);
             const float *sn = (local ? s->sin_local : s->sin) + (int64_t)b * (m->rotary / 2);
-            const int64_t slot = s->write_slots[b];
+            const int64_t slot = (L->local_slots ? s->write_slots_local : s->write_slots)[b];
             for (int hd = t->t0; hd < t->t1; hd++) {
                 float *v = s->qkv + (int64_t)b * row + hd * D;
                 if (hd < H) {
