@@ -154,15 +154,16 @@ class HybridKVCache(PagedKVCache):
     window can still see. Every block has a *local part* (`k_local`, `v_local`: [sliding layers, local
     slots, KVH, D]) from its allocation until no sequence holding it has the block inside its window any
     more; then the part goes back and `local_of[block]` points to a zeroed spare part. A block in the
-    prefix cache keeps its unheld part in an LRU list of at most `max_kept_parts` (default: four windows'
-    worth), so a conversation's next turn finds its last window; a prefix hit ends where the window it
-    needs still has its parts (`PrefixCache.match`). The sliding layers address the cache
-    through `local_slots`: same block tables and slot numbers, translated per block.
+    prefix cache keeps its unheld part (LRU) until a part is needed, so a conversation's next turn finds
+    its last window; a prefix hit ends where the window it needs still has its parts (`PrefixCache.match`).
+    The sliding layers address the cache through `local_slots`: same block tables and slot numbers,
+    translated per block.
 
     There are as many parts as blocks (plus the spare), so a part is there whenever a block is: the
-    scheduler counts blocks only. The memory saved is the pages never written: free parts are handed out
-    lowest first, so a long generation touches about a window's worth of parts per sequence in the
-    sliding layers while the global layers grow with it (CPU tensors commit pages when first written)."""
+    scheduler counts blocks only. The memory saved is the pages never written (CPU tensors commit pages
+    when first written): a new part is a free one already written before if there is one, else a kept
+    part taken back (LRU), and only then one never written; so the sliding layers' memory stays at about
+    a window per sequence (`parts_touched`) while the global layers grow with the context."""
 
     def __init__(self, sliding: list[bool], window: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -170,7 +171,6 @@ class HybridKVCache(PagedKVCache):
             raise ValueError("a hybrid cache needs both sliding and global layers")
         super().__init__(sum(not s for s in sliding), num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.local_window = window
-        self.max_kept_parts = 4 * (-(-window // block_size) + 2)
         n_local = sum(sliding)
         # model layer -> (sliding?, index into k_local/v_local or k/v)
         self.layer_index = [(s, sum(sliding[:i]) if s else sum(not t for t in sliding[:i]))
@@ -185,6 +185,7 @@ class HybridKVCache(PagedKVCache):
         self._free_parts = list(range(num_blocks - 1, -1, -1))    # pop() hands out low parts first
         self._kept_parts: OrderedDict[int, None] = OrderedDict()   # blocks whose unheld part is kept (LRU)
         self.local_ref = [0] * num_blocks               # sequences holding each block's part
+        self.parts_touched = 0                          # parts [0, parts_touched) were handed out before
         self._local_of = [self.spare_part] * num_blocks
         self.local_of = torch.full((num_blocks,), self.spare_part, dtype=torch.int64)
 
@@ -219,10 +220,12 @@ class HybridKVCache(PagedKVCache):
         """Newly allocated blocks get a part each, held by the sequence that allocated them."""
         for b in blocks:
             self._give_back_part(b)      # a recycled prefix-cache block's kept part: its content is gone
-            if not self._free_parts:     # cannot happen with a part per block; keeps the LRU honest anyway
-                victim, _ = self._kept_parts.popitem(last=False)
-                self._give_back_part(victim)
-            self._set_part(b, self._free_parts.pop())
+            fresh = not self._free_parts or self._free_parts[-1] >= self.parts_touched
+            if fresh and self._kept_parts:   # take back a kept part rather than write new pages
+                self._give_back_part(next(iter(self._kept_parts)))
+            part = self._free_parts.pop()
+            self.parts_touched = max(self.parts_touched, part + 1)
+            self._set_part(b, part)
             self.local_ref[b] = 1
 
     def hold_part(self, block: int) -> None:
@@ -234,17 +237,20 @@ class HybridKVCache(PagedKVCache):
     def release_part(self, block: int) -> None:
         self.local_ref[block] -= 1
         if self.local_ref[block] == 0:
-            if block in self.allocator.hash_of:   # findable by prefix: keep the part a while (LRU)
+            if block in self.allocator.hash_of:   # findable by prefix: keep the part until one is needed
                 self._kept_parts[block] = None
-                while len(self._kept_parts) > self.max_kept_parts:
-                    self._give_back_part(next(iter(self._kept_parts)))
             else:
                 self._give_back_part(block)
 
     @property
     def parts_in_use(self) -> int:
-        """Parts held or kept (the sliding layers' share of the cache)."""
+        """Parts held or kept."""
         return self.num_blocks - len(self._free_parts)
+
+    @property
+    def parts_held(self) -> int:
+        """Parts some sequence's window still sees."""
+        return self.parts_in_use - len(self._kept_parts)
 
 
 class LatentKVCache(_BlockCache):

@@ -42,7 +42,6 @@ def _generate(path: Path, runtime: str, exact: bool, drop: bool) -> tuple[list[i
     llm = _llm(path, runtime, exact)
     eng = llm.engine
     kv = eng.kv
-    kv.max_kept_parts = 0          # no prefix-cache keeping: what the window alone needs
     if not drop:
         kv.local_window = 10 ** 6
     kv.k_local[:, :kv.spare_part * BLOCK].fill_(float("nan"))   # unwritten: the sliding layers must not read it
@@ -55,14 +54,14 @@ def _generate(path: Path, runtime: str, exact: bool, drop: bool) -> tuple[list[i
             kv.k_local[:, part * BLOCK:(part + 1) * BLOCK] = float("nan")
             kv.v_local[:, part * BLOCK:(part + 1) * BLOCK] = float("nan")
         events = step()
-        peak_parts, peak_blocks = max(peak_parts, kv.parts_in_use), max(peak_blocks, kv.allocator.num_in_use)
+        peak_parts, peak_blocks = max(peak_parts, kv.parts_touched), max(peak_blocks, kv.allocator.num_in_use)
         for r in eng.scheduler.running:   # the newest token's K sits in its block's part
             n = r.kv.num_tokens
             assert not kv.k_local[:, kv.local_slots(r.kv.slots(n - 1, n))].isnan().any()
         return events
     eng.step = counted
     out = llm.generate(["abc"], SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))[0]
-    assert kv.parts_in_use == 0 and kv.allocator.num_in_use == 0
+    assert kv.parts_held == 0 and kv.allocator.num_in_use == 0
     return out.prompt_token_ids, out.token_ids, peak_parts, peak_blocks
 
 
@@ -73,7 +72,8 @@ def test_parts_outside_the_window_go_back_and_tokens_do_not_change(model, runtim
     _, kept_tokens, kept_parts, _ = _generate(path, runtime, exact, drop=False)
     assert tokens == kept_tokens
     assert blocks >= (len(prompt) + NEW) // BLOCK and kept_parts >= (len(prompt) + NEW) // BLOCK
-    # the window's two blocks, one of slack, the one being filled and the next one reserved
+    # parts ever written (prefix caching on: the parts behind the window are kept until needed): the
+    # window's two blocks, one of slack, the one being filled and the next one reserved
     assert parts <= 6 // BLOCK + 4 < kept_parts
     if exact:
         with torch.no_grad():

@@ -53,16 +53,37 @@ def test_parts_behind_the_window_go_back_and_the_blocks_stay():
     assert kv.allocator.num_in_use == 0 and kv.parts_in_use == 0
 
 
+def test_a_new_part_reuses_written_pages_before_touching_new_ones():
+    kv = _cache()
+    cache = PrefixCache(kv)
+    a = SequenceKV(kv)
+    a.reserve(40)
+    a.num_tokens = 40
+    cache.commit(a, list(range(40)))
+    a.drop_outside_window()             # blocks 0..6: registered, so their parts are kept (not held)
+    assert kv.parts_touched == 10 and kv.parts_held == 3 and kv.parts_in_use == 10
+    x = SequenceKV(kv)
+    x.reserve(12)                       # three new blocks take back the three oldest kept parts
+    assert kv.parts_touched == 10 and [kv.has_part(b) for b in a.block_table[:4]] == [False] * 3 + [True]
+    x.release()                         # unregistered: their parts are free, below the touched mark
+    y = SequenceKV(kv)
+    y.reserve(8)
+    assert kv.parts_touched == 10 and all(kv.has_part(b) for b in a.block_table[3:])
+    a.release()
+    y.release()
+
+
 def test_a_prefix_hit_ends_where_its_window_still_has_parts():
     kv = _cache()
-    kv.max_kept_parts = 2
     cache = PrefixCache(kv)
     tokens = list(range(40))
     a = SequenceKV(kv)
     a.reserve(40)
     a.num_tokens = 40
     cache.commit(a, tokens)
-    a.drop_outside_window()    # parts of blocks 0..6 let go: the last two (5, 6) kept for the prefix cache
+    a.drop_outside_window()
+    x = SequenceKV(kv)
+    x.reserve(20)                       # five new blocks take back the parts of blocks 0..4
     assert [kv.has_part(b) for b in a.block_table] == [False] * 5 + [True] * 5
     # b wants 36 tokens (9 blocks): the token at 36 sees 31..36, so blocks 7 and 8 must have parts: they do
     b = SequenceKV(kv)
@@ -74,13 +95,10 @@ def test_a_prefix_hit_ends_where_its_window_still_has_parts():
     # e wants 28: the token at 28 sees 23..28, blocks 5 and 6, whose parts were kept
     e = SequenceKV(kv)
     assert cache.match(e, tokens, 28) == 28 and e.num_unheld == 5
-    e.release()
-    kv.max_kept_parts = 3
-    a.release()
-    b.release()
-    # the last window's parts outlive the sequences (kept, LRU, at most max_kept_parts): the next turn
-    # of the conversation finds them
-    assert kv.parts_in_use == 3
+    for s in (x, e, a, b):
+        s.release()
+    # the last window's parts outlive the sequences (kept): the next turn of the conversation finds them
+    assert kv.parts_held == 0 and kv.parts_in_use == 5
     d = SequenceKV(kv)
     assert cache.match(d, tokens, 40) == 40 and d.num_unheld == 8
     d.release()
