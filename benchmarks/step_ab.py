@@ -7,6 +7,7 @@ the values, so slow drifts of the host hit every value alike. To compare two tre
 alternately with PYTHONPATH pointing at each and compare the medians.
 
     python benchmarks/step_ab.py [--batch 1] [--context 100] [--rounds 15] [--prefetch 0 32768 65536]
+    python benchmarks/step_ab.py --setting wait-prefetch --prefetch 0 65536    # prefetch while waiting
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per", type=int, default=10, help="timed steps per value and round")
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
+    ap.add_argument("--setting", choices=["prefetch", "wait-prefetch"], default="prefetch",
+                    help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch) or the "
+                         "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch)")
     args = ap.parse_args()
 
     from slipstream import LLM
@@ -53,13 +57,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in values:
             if v is not None:
-                lib.ss_set_prefetch(v)
+                (lib.ss_set_prefetch if args.setting == "prefetch" else lib.ss_set_wait_prefetch)(v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
-        label = "default prefetch" if v is None else f"prefetch {v} B"
+        label = "default" if v is None else f"{args.setting} {v} B"
         print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
               f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")
 

@@ -158,9 +158,8 @@ enum { q4_half_direct = 0 };
 // path, row count), in a function of its own. Inlined into mat_rows' one row loop with every other
 // kernel, GCC kept the kernels' constants live across all of them and spilled them (perf annotate of
 // the batch-8 step: stack reloads among the hottest instructions); a call per row instead cost the
-// batch-1 step 3-5%. Same kernels, same summation order as mat_rows' general loop (which still takes
-// more rows than MAX_ROWS and the other kinds). fp16 scales: read as they are by the AVX2 paired
-// products (F16C), widened per row for the others.
+// batch-1 step 3-5%. mat_rows brings more rows than MAX_ROWS here MAX_ROWS at a time. fp16 scales:
+// read as they are by the AVX2 paired products (F16C), widened per row for the others.
 __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                              int ystride, int accumulate, int exact, int half, int pf_rows,
                                              int64_t code_bytes, int64_t scale_bytes) {
@@ -264,9 +263,19 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 }
 #endif
 
-// y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B
+// `a` advanced by `r` rows of K columns (a view of an activation's rows r..)
+static SSAct act_rows(const SSAct *a, int64_t r, int K) {
+    const int64_t G = K / 32;
+    return (SSAct){a->f + r * K, a->q ? a->q + r * K : NULL, a->d ? a->d + r * G : NULL, a->s ? a->s + r * G : NULL,
+                   a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
+}
+
+// y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B. More than MAX_ROWS activation rows go
+// MAX_ROWS at a time (each weight tile is re-read from L2 per chunk, which moves less than re-reading every
+// chunk's activations per weight row), so a row's result never depends on how many rows share the step.
 static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, float *y, int ystride,
                      int accumulate, int exact) {
+    if (B <= 0) return;   // no rows (an empty prefill chunk): SS_BY_ROWS would take 0 for 8
     while (n0 >= m->n && m->next) {   // a chain: find the part that holds row n0
         n0 -= m->n, n1 -= m->n, y += m->n;
         m = m->next;
@@ -276,120 +285,52 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         n1 = m->n;
     }
     const int K = m->k, G = K / 32;
+    if (B > MAX_ROWS) {
+        for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
+            const SSAct xb = act_rows(x, b0, K);
+            mat_rows(m, n0, n1, B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS, &xb, y + (int64_t)b0 * ystride, ystride,
+                     accumulate, exact);
+        }
+        return;
+    }
     const int64_t row_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype) : 0;
-    // q4/q8 with fp16 scales (qtype == QT_F16): a row's scales and mins widened once, on the stack
-    const int half = m->kind != KIND_QT && m->qtype == QT_F16;
-    float *scb = half ? alloca(sizeof(float) * G) : NULL, *mnb = half && m->min ? alloca(sizeof(float) * G) : NULL;
+    const int half = m->kind != KIND_QT && m->qtype == QT_F16;   // q4/q8 with fp16 scales
     const int64_t code_bytes = m->kind == KIND_QT ? row_bytes : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
     const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
-    if (B <= 0) return;   // no rows (an empty prefill chunk): SS_BY_ROWS would take 0 for 8
-    if (B <= MAX_ROWS && (m->kind == KIND_Q4 || m->kind == KIND_Q8)) {
+    if (m->kind == KIND_Q4 || m->kind == KIND_Q8) {
         q_rows(m, n0, n1, B, x, y, ystride, accumulate, exact, half, pf_rows, code_bytes, scale_bytes);
         return;
     }
 #if defined(SS_AVX2)
-    if (B <= MAX_ROWS && m->kind == KIND_QT && !exact && qt_rows(m, n0, n1, B, x, y, ystride, accumulate, pf_rows, row_bytes))
+    if (m->kind == KIND_QT && !exact && qt_rows(m, n0, n1, B, x, y, ystride, accumulate, pf_rows, row_bytes))
         return;
 #endif
+    // the rest, a weight row at a time: other ggml types (and every one in the exact path), fp32
     for (int n = n0; n < n1; n++) {
         if (pf_rows && n + pf_rows < m->n) {
-            const int64_t r = n + pf_rows;
-            const char *c = (const char *)m->q + r * code_bytes;
+            const char *c = (const char *)m->q + (int64_t)(n + pf_rows) * code_bytes;
             for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
-            if (scale_bytes) {
-                __builtin_prefetch((const char *)m->scale + r * scale_bytes, 0, 2);
-                if (m->min) __builtin_prefetch((const char *)m->min + r * scale_bytes, 0, 2);
-            }
         }
-        const float *sc_row = m->scale ? m->scale + (int64_t)n * G : NULL;
-        const float *mn_row = m->min ? m->min + (int64_t)n * G : NULL;
-        if (half && !(q4_half_direct && m->kind == KIND_Q4 && !exact)) {
-            ss_f16_row((const uint16_t *)m->scale + (int64_t)n * G, scb, G);
-            sc_row = scb;
-            if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)n * G, mnb, G), mn_row = mnb;
-        }
-        for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
-            const int nb = B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS;
-            float out[MAX_ROWS];
-            const float *xf = x->f + (int64_t)b0 * K;
-            if (m->kind == KIND_Q4) {
-                const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * (K / 2);
-                const float *sc = sc_row, *mn = mn_row;
-                const float *xs = x->s + (int64_t)b0 * G;
-                if (exact) {
-#define Q4F(NB) q4f_row(w, sc, mn, G, xf, K, xs, NB, out)
-                    SS_BY_ROWS(nb, Q4F)
-#undef Q4F
-                } else {
-                    const int8_t *xq = x->q + (int64_t)b0 * K;
-                    const float *xd = x->d + (int64_t)b0 * G;
-#if defined(SS_AVX2)
-                    if (SS_Q4_PAIRS && x->p) {   // fp16 scales read as they are (F16C); activations paired once per step
-                        const int direct = half && q4_half_direct;
-                        const void *sp = direct ? (const void *)((const uint16_t *)m->scale + (int64_t)n * G) : (const void *)sc;
-                        const void *mp = direct ? (const void *)((const uint16_t *)m->min + (int64_t)n * G) : (const void *)mn;
-                        const int8_t *xp = x->p + (int64_t)b0 * K;
-                        const float *xe = x->e + (int64_t)b0 * 4 * G;
-#define Q4P(NB) q4p_row(w, sp, mp, direct, G, xp, xd, xe, xs, NB, out)
-                        SS_BY_ROWS(nb, Q4P)
-#undef Q4P
-                    } else
-#endif
-                    {
-#define Q4Q(NB) q4q8_row(w, sc, mn, G, xq, xd, xs, NB, out)
-                        SS_BY_ROWS(nb, Q4Q)
-#undef Q4Q
-                    }
-                }
-            } else if (m->kind == KIND_Q8) {
-                const int8_t *w = (const int8_t *)m->q + (int64_t)n * K;
-                const float *sc = sc_row;
-                if (exact) {
-#define Q8F(NB) q8f_row(w, sc, G, xf, K, NB, out)
-                    SS_BY_ROWS(nb, Q8F)
-#undef Q8F
-                } else {
-                    const int8_t *xq = x->q + (int64_t)b0 * K;
-                    const float *xd = x->d + (int64_t)b0 * G;
-#if defined(SS_AVX2)
-                    if (SS_Q4_PAIRS && x->p) {   // paired activations, as the q4 rows; every row count alike, so a
-                                                 // row's result does not depend on the rows beside it
-                        const int8_t *xp = x->p + (int64_t)b0 * K;
-                        const float *xe = x->e + (int64_t)b0 * 4 * G;
-#define Q8P(NB) q8p_row(w, sc, 0, G, xp, xd, xe, NB, out)
-                        SS_BY_ROWS(nb, Q8P)
-#undef Q8P
-                    } else
-#endif
-                    {
-#define Q8Q(NB) q8q8_row(w, sc, G, xq, xd, NB, out)
-                        SS_BY_ROWS(nb, Q8Q)
-#undef Q8Q
-                    }
-                }
-            } else if (m->kind == KIND_QT) {
-                const uint8_t *w = (const uint8_t *)m->q + n * row_bytes;
-                if (exact || m->qtype == QT_F16 || m->qtype == QT_BF16) {
-#define QTF(NB) qt_f_row(m->qtype, w, K, xf, x->s + (int64_t)b0 * G, NB, out)
-                    SS_BY_ROWS(nb, QTF)
+        float out[MAX_ROWS];
+        if (m->kind == KIND_QT) {
+            const uint8_t *w = (const uint8_t *)m->q + n * row_bytes;
+            if (exact || m->qtype == QT_F16 || m->qtype == QT_BF16) {
+#define QTF(NB) qt_f_row(m->qtype, w, K, x->f, x->s, NB, out)
+                SS_BY_ROWS(B, QTF)
 #undef QTF
-                } else {
-                    const int8_t *xq = x->q + (int64_t)b0 * K;
-                    const float *xd = x->d + (int64_t)b0 * G;
-#define QTQ(NB) qt_q8_row(m->qtype, w, K, xq, xd, x->s + (int64_t)b0 * G, NB, out)
-                    SS_BY_ROWS(nb, QTQ)
-#undef QTQ
-                }
             } else {
-                f32_row((const float *)m->q + (int64_t)n * K, K, xf, nb, out);
+#define QTQ(NB) qt_q8_row(m->qtype, w, K, x->q, x->d, x->s, NB, out)
+                SS_BY_ROWS(B, QTQ)
+#undef QTQ
             }
-            const float bias = m->bias ? m->bias[n] : 0.f;
-            for (int b = 0; b < nb; b++) {
-                float *yo = y + (int64_t)(b0 + b) * ystride + n;
-                const float v = m->bias ? out[b] + bias : out[b];
-                *yo = accumulate ? *yo + v : v;
-            }
+        } else {
+            f32_row((const float *)m->q + (int64_t)n * K, K, x->f, B, out);
+        }
+        for (int b = 0; b < B; b++) {
+            float *yo = y + (int64_t)b * ystride + n;
+            const float v = m->bias ? out[b] + m->bias[n] : out[b];
+            *yo = accumulate ? *yo + v : v;
         }
     }
 }
@@ -525,12 +466,6 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
 }
 
 // -- mixture of experts ----------------------------------------------------------------------------------
-// `a` advanced by `r` rows of K columns (a view of an activation's rows r..)
-static SSAct act_rows(const SSAct *a, int64_t r, int K) {
-    const int64_t G = K / 32;
-    return (SSAct){a->f + r * K, a->q ? a->q + r * K : NULL, a->d ? a->d + r * G : NULL, a->s ? a->s + r * G : NULL,
-                   a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
-}
 
 // the router over every row: top-k experts and weights, the shared gate, then the (expert, row) pairs grouped
 // by expert (experts ascending, rows ascending within one) with h's rows copied in that order
@@ -643,6 +578,57 @@ static void moe_down(const SSModel *m, const SSStep *s, const SSMoe *e, int n0, 
     }
     free(acc);
     free(y);
+}
+
+// -- prefetch while waiting -------------------------------------------------------------------------
+// A task whose inputs are not ready yet (an O tile waiting for the layer's attention, a DOWN tile for the
+// GATE_UP outputs) already knows its weight rows: the waiting thread prefetches the first of them into L2
+// (up to wait_pf_bytes, the tile's rows in order, gate and up alike), checking the event every few KB, so
+// the memory bus works while attention computes instead of idling until the next product starts.
+static int wait_pf_bytes = 65536;
+void ss_set_wait_prefetch(int bytes) { wait_pf_bytes = bytes > 0 ? bytes : 0; }
+
+// prefetch rows [n0, n1) of m from row n0 on, at most `budget` bytes, while *ev < count; returns bytes issued
+static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count) {
+    while (n0 >= m->n && m->next) n0 -= m->n, n1 -= m->n, m = m->next;
+    if (n1 > m->n) n1 = m->n;
+    const int K = m->k, G = K / 32;
+    const int half = m->kind != KIND_QT && m->qtype == QT_F16;
+    const int64_t code_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype)
+                             : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
+    const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
+    int64_t done = 0, since_check = 0;
+    for (int n = n0; n < n1 && done < budget; n++) {
+        const char *c = (const char *)m->q + (int64_t)n * code_bytes;
+        for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+        if (scale_bytes) {
+            __builtin_prefetch((const char *)m->scale + (int64_t)n * scale_bytes, 0, 2);
+            if (m->min) __builtin_prefetch((const char *)m->min + (int64_t)n * scale_bytes, 0, 2);
+        }
+        done += code_bytes + 2 * scale_bytes;
+        since_check += code_bytes + 2 * scale_bytes;
+        if (since_check >= 4096) {
+            since_check = 0;
+            if (atomic_load_explicit(ev, memory_order_relaxed) >= count) break;
+        }
+    }
+    return done;
+}
+
+static void prefetch_while_waiting(const SSModel *m, const SSTask *t, _Atomic int32_t *ev, int32_t count) {
+    const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
+    const int64_t budget = wait_pf_bytes;
+    switch (t->op) {
+    case OP_QKV: prefetch_rows(&L->qkv, t->t0 * m->head_dim, t->t1 * m->head_dim, budget, ev, count); break;
+    case OP_O: prefetch_rows(&L->o, t->t0, t->t1, budget, ev, count); break;
+    case OP_GATE_UP:
+        if (prefetch_rows(&L->gate_up, t->t0, t->t1, budget / 2, ev, count) >= budget / 2)
+            prefetch_rows(&L->gate_up, m->ffn + t->t0, m->ffn + t->t1, budget / 2, ev, count);
+        break;
+    case OP_DOWN: prefetch_rows(&L->down, t->t0, t->t1, budget, ev, count); break;
+    case OP_LM_HEAD: prefetch_rows(&m->lm_head, t->t0, t->t1, budget, ev, count); break;
+    default: break;
+    }
 }
 
 static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exact) {
@@ -856,7 +842,12 @@ static void work(uint32_t g) {
         if (!atomic_compare_exchange_weak(&T.ticket, &cur, cur + 1)) continue;
         const SSTask *t = &T.tasks[(uint32_t)cur];
         const int64_t t0 = prof_on ? now_ns() : 0;
-        if (t->wait_ev >= 0) wait_at_least(&T.events[t->wait_ev], t->wait_count);
+        if (t->wait_ev >= 0) {
+            if (wait_pf_bytes && 
+                atomic_load_explicit(&T.events[t->wait_ev], memory_order_relaxed) < t->wait_count)
+                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count);
+            wait_at_least(&T.events[t->wait_ev], t->wait_count);
+        }
         const int64_t t1 = prof_on ? now_ns() : 0;
         run_task(T.model, T.step, t, T.exact);
         if (prof_on) {
