@@ -48,7 +48,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
 
 def family_template(vocab: Iterable[str]) -> tuple[str, str] | None:
     """(family name, template) for a vocabulary holding a known family's chat tokens, else None."""
-    tokens = set(vocab)
+    markers = {t for m, _ in FAMILIES.values() for t in m}
+    tokens = {t for t in vocab if t in markers}   # one pass, keeping only the markers
     for name, (markers, template) in FAMILIES.items():
         if all(t in tokens for t in markers):
             return name, template

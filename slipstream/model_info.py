@@ -54,11 +54,11 @@ def _rss() -> int:
 
 
 def _gguf_types(path: Path) -> dict[str, TypeShare]:
-    import gguf
+    from slipstream.weights.gguf_file import GGUFFile
 
     out: dict[str, TypeShare] = collections.defaultdict(TypeShare)
-    for t in gguf.GGUFReader(str(path)).tensors:
-        s = out[gguf.GGMLQuantizationType(t.tensor_type).name]
+    for t in GGUFFile(path).tensors:
+        s = out[t.tensor_type.name]
         s.tensors += 1
         s.params += int(t.n_elements)
         s.bytes += int(t.n_bytes)

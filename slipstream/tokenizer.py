@@ -19,10 +19,8 @@ llama.cpp): see `_BYTE_LEVEL_PRE` and `_LLAMA3_FAMILY` below.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,10 +183,13 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- construction: GGUF
     @classmethod
-    def from_gguf(cls, source: str | os.PathLike[str] | gguf.GGUFReader) -> Tokenizer:
-        """Build from a GGUF's ``tokenizer.ggml.*`` metadata (a path or an open `gguf.GGUFReader`)."""
+    def from_gguf(cls, source: str | os.PathLike[str] | Mapping[str, Any] | gguf.GGUFReader) -> Tokenizer:
+        """Build from a GGUF's ``tokenizer.ggml.*`` metadata: a path, the file's metadata already read
+        (key -> value, as `weights.gguf_file.GGUFFile.metadata`) or an open `gguf.GGUFReader`."""
         if isinstance(source, (str, os.PathLike)):
             meta = _read_gguf_metadata(source)
+        elif isinstance(source, Mapping):
+            meta = source
         else:
             # An already-parsed reader: take its fields instead of reading the file again.
             meta = {k: f.contents() for k, f in source.fields.items() if k.startswith(("tokenizer.", "general."))}
@@ -200,8 +201,10 @@ class Tokenizer:
             return meta.get(f"tokenizer.ggml.{key}", default)
 
         kind = get("model")
-        tokens: list[str] = list(get("tokens") or [])
-        if not tokens:
+        # a Sequence (the file reader's `StringArray`: items decoded when read), never copied into a
+        # list: see `_bpe_backend`
+        tokens: Sequence[str] = get("tokens") or []
+        if not len(tokens):
             raise ValueError("GGUF has no tokenizer.ggml.tokens")
         types: list[int] = list(get("token_type") or [_NORMAL] * len(tokens))
         pre = get("pre")
@@ -483,27 +486,58 @@ def gpt2_byte_alphabet() -> dict[int, str]:
     return table
 
 
+class _ByteLevelSpelling(Sequence[str]):
+    """A `gpt2` GGUF vocabulary as byte-level BPE spells it, each entry respelled when it is read.
+
+    Entries are spelled in the byte alphabet. A rare converter writes a normal token as raw text:
+    respell it. Control/user-defined tokens stay raw, so that registering them as added tokens maps
+    onto their existing id instead of creating a new one."""
+
+    def __init__(self, tokens: Sequence[str], types: Sequence[int]) -> None:
+        self._tokens, self._types = tokens, types
+        self._table = gpt2_byte_alphabet()
+        self._alphabet = frozenset(self._table.values())
+
+    def _spell(self, t: str, ty: int) -> str:
+        if ty in (_CONTROL, _USER_DEFINED) or self._alphabet.issuperset(t):
+            return t
+        return "".join(self._table[b] for b in t.encode("utf-8"))
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._spell(self._tokens[i], self._types[i])
+
+    def __iter__(self) -> Iterator[str]:
+        return (self._spell(t, ty) for t, ty in zip(self._tokens, self._types))
+
+
+def _bpe_backend(vocab: Iterable[str], merges: Iterable[Sequence[str]], **options: Any) -> _HFTokenizer:
+    """A `tokenizers` BPE model over `vocab` (the i-th string is token i; a repeated string keeps its
+    first id) and the ranked `merges` ("left right" or (left, right)).
+
+    `models.BPE` takes the whole vocabulary and merges as Python objects (~100k small strings for
+    SmolLM2). They live only inside this function, and only the model's own object is made while
+    they exist: a long-lived object allocated among them keeps its 1 MB allocator arena resident
+    after they are freed (~7 MB of them when the vocabulary lists lived through the whole load)."""
+    ids: dict[str, int] = {}
+    for i, t in enumerate(vocab):
+        ids.setdefault(t, i)
+    pairs = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges]
+    model = models.BPE(ids, pairs, **options)
+    del ids, pairs
+    return _HFTokenizer(model)
+
+
 def _byte_level_bpe(
-    tokens: list[str], types: list[int], merges: list[str] | None, pre: str | None
-) -> tuple[_HFTokenizer, list[str]]:
-    """GPT-2-style byte-level BPE from a `gpt2` GGUF vocabulary."""
-    table = gpt2_byte_alphabet()
-    alphabet = set(table.values())
-    # Vocabulary entries are spelled in the byte alphabet. A rare converter writes a normal token
-    # as raw text: respell it. Control/user-defined tokens stay raw, so that registering them as
-    # added tokens maps onto their existing id instead of creating a new one.
-    vocab_tokens = [
-        t
-        if ty in (_CONTROL, _USER_DEFINED) or set(t) <= alphabet
-        else "".join(table[b] for b in t.encode("utf-8"))
-        for t, ty in zip(tokens, types)
-    ]
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(vocab_tokens):
-        vocab.setdefault(t, i)  # keep the first id if a converter wrote a duplicate
-    pairs = [tuple(m.split(" ", 1)) for m in (merges or [])]
-    ignore_merges = pre in _LLAMA3_FAMILY
-    backend = _HFTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    tokens: Sequence[str], types: Sequence[int], merges: Sequence[str] | None, pre: str | None
+) -> tuple[_HFTokenizer, Sequence[str]]:
+    """GPT-2-style byte-level BPE from a `gpt2` GGUF vocabulary (and the vocabulary as it spells it)."""
+    vocab_tokens = _ByteLevelSpelling(tokens, types)
+    backend = _bpe_backend(vocab_tokens, merges or (), ignore_merges=pre in _LLAMA3_FAMILY)
 
     scheme = _BYTE_LEVEL_PRE.get(pre or "default", "gpt2")  # unknown names: plain GPT-2 split
     if scheme == "gpt2":
@@ -525,30 +559,23 @@ def _byte_level_bpe(
 
 
 def _sentencepiece_bpe(
-    tokens: list[str],
-    types: list[int],
-    scores: list[float] | None,
-    merges: list[str] | None,
+    tokens: Sequence[str],
+    types: Sequence[int],
+    scores: Sequence[float] | None,
+    merges: Sequence[str] | None,
     add_space_prefix: bool,
     unk_id: int | None,
-) -> tuple[_HFTokenizer, list[str]]:
+) -> tuple[_HFTokenizer, Sequence[str]]:
     """SentencePiece BPE (Llama/Mistral-style vocabulary) as a `tokenizers` BPE with byte fallback.
 
     SentencePiece BPE merges, at each step, the adjacent pair whose concatenation is the
     highest-scoring vocabulary piece. A ranked merge list reproduces that when pairs are ranked by
     the score of the piece they make, which is how we build merges when the file has none.
     """
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    if merges:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-    else:
-        pairs = _merges_from_scores(tokens, types, scores)
+    pairs: Iterable[Sequence[str]] = merges if merges else _merges_from_scores(tokens, types, scores)
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
-    backend = _HFTokenizer(
-        models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
-    )
+    backend = _bpe_backend(tokens, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    del pairs
     # Spaces become "▁"; with add_space_prefix, one is put in front of the text: only at its very
     # start, not after every special token (transformers' "first" scheme; llama.cpp adds one after
     # each special token too). Text starting with a space gets its "▁" in `Tokenizer.encode`.
@@ -563,7 +590,7 @@ def _sentencepiece_bpe(
 
 
 def _merges_from_scores(
-    tokens: list[str], types: list[int], scores: list[float] | None
+    tokens: Sequence[str], types: Sequence[int], scores: Sequence[float] | None
 ) -> list[tuple[str, str]]:
     """Every (left, right) split of a normal piece into two vocabulary pieces, best score first.
 
@@ -589,58 +616,15 @@ def _merges_from_scores(
 
 # -------------------------------------------------------------------- GGUF metadata reader
 
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
 
 def _read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The key/value metadata of a GGUF file (v2/v3), without touching the tensors.
 
     `gguf.GGUFReader` parses every tensor record and wraps each array element in numpy, which
-    takes seconds on a full vocabulary; this reads only the header."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"{os.fspath(path)!r} is not a GGUF file")
-        endian = "<"
-        (version,) = struct.unpack_from("<I", buf, 4)
-        if version & 0xFFFF == 0:  # the version reads byte-swapped: a big-endian file
-            endian = ">"
-            (version,) = struct.unpack_from(">I", buf, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is too old (need 2 or newer)")
-        _, n_kv = struct.unpack_from(endian + "QQ", buf, 8)
-        offset = 24
+    takes seconds on a full vocabulary; this reads only the header (`weights/gguf_file.py`)."""
+    from slipstream.weights.gguf_file import read_metadata
 
-        def read_str(off: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from(endian + "Q", buf, off)
-            off += 8
-            return buf[off : off + n].decode("utf-8", errors="replace"), off + n
-
-        def read_value(vtype: int, off: int) -> tuple[Any, int]:
-            if vtype == _GGUF_STRING:
-                return read_str(off)
-            if vtype in _GGUF_SCALAR:
-                fmt = endian + _GGUF_SCALAR[vtype]
-                return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-            if vtype == _GGUF_ARRAY:
-                item_type, count = struct.unpack_from(endian + "IQ", buf, off)
-                off += 12
-                if item_type in _GGUF_SCALAR:  # fixed-size items: one unpack for the whole array
-                    fmt = f"{endian}{count}{_GGUF_SCALAR[item_type]}"
-                    return list(struct.unpack_from(fmt, buf, off)), off + struct.calcsize(fmt)
-                items = []
-                for _ in range(count):
-                    item, off = read_value(item_type, off)
-                    items.append(item)
-                return items, off
-            raise ValueError(f"unknown GGUF value type {vtype}")
-
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, offset = read_str(offset)
-            (vtype,) = struct.unpack_from(endian + "I", buf, offset)
-            meta[key], offset = read_value(vtype, offset + 4)
-        return meta
+    return read_metadata(path)
 
 
 # -------------------------------------------------------------------- helpers

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -10,14 +11,10 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
+from slipstream.weights.gguf_file import GGUFFile
+from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, concat_rows
-
-try:
-    import gguf
-    from gguf import GGMLQuantizationType as QT
-except ImportError as e:  # pragma: no cover - gguf is a hard dependency of the package
-    raise ImportError("reading GGUF files needs the `gguf` package") from e
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -27,28 +24,22 @@ RAW_QTYPES = {QT(t) for t in RAW_TYPES} - PACKED_TYPES
 SUPPORTED_TYPES = PACKED_TYPES | RAW_QTYPES | {QT.F32}
 
 
-def open_gguf(path: str | os.PathLike) -> "gguf.GGUFReader":
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
     if not os.path.isfile(path):
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on foreign files
+        return GGUFFile(path)
+    except Exception as e:  # struct errors, bad magic or versions, unknown types on foreign files
         raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from e
 
 
-def metadata(reader: "gguf.GGUFReader") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key != "tokenizer.ggml.model":
-            continue  # large arrays: the tokenizer reads them itself
-        try:
-            out[key] = f.contents()
-        except Exception:  # fields of exotic types that we never need
-            continue
-    return out
+def metadata(reader: GGUFFile) -> dict[str, Any]:
+    """The file's metadata without the tokenizer's large arrays (the tokenizer reads them itself)."""
+    return {k: v for k, v in reader.metadata.items()
+            if not k.startswith("tokenizer.ggml.") or k == "tokenizer.ggml.model"}
 
 
-def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
+def config_from_gguf(reader: GGUFFile, path: str = "") -> ModelConfig:
     md = metadata(reader)
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -62,7 +53,7 @@ def config_from_gguf(reader: "gguf.GGUFReader", path: str = "") -> ModelConfig:
         kv = kv[0]
     vocab = a("vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = len(reader.metadata.get("tokenizer.ggml.tokens", ()))
     scaling = None
     if a("rope.scaling.type") in ("linear", "yarn"):
         scaling = {"rope_type": a("rope.scaling.type"), "factor": float(a("rope.scaling.factor", 1.0)),
@@ -133,7 +124,7 @@ def _gemma_config(arch: str, a: Any, names: set[str], hidden: int, heads: int, k
         final_softcap=float(a("final_logit_softcapping", 30.0)) if gemma2 else None)
 
 
-def _phi3_config(reader: "gguf.GGUFReader", a: Any, names: set[str], hidden: int, heads: int, kv: int,
+def _phi3_config(reader: GGUFFile, a: Any, names: set[str], hidden: int, heads: int, kv: int,
                  vocab: int) -> ModelConfig:
     """Phi-3/3.5/4-mini as llama.cpp's converter writes them: the rotary dims in rope.dimension_count,
     LongRoPE's factors as the tensors rope_factors_short/long with the pre-training context in
@@ -226,20 +217,33 @@ def _dense(t: Any) -> np.ndarray:
 def _dense_raw(qt: "QT", raw: np.ndarray) -> np.ndarray:
     if qt == QT.F32:
         return np.array(raw, dtype=np.float32)  # a writable copy of the read-only map
-    return gguf.quants.dequantize(raw, qt).astype(np.float32)
+    import gguf   # only for the types no kernel reads (norms stored as F16, say): ~3 MB of imports
+
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qt))).astype(np.float32)
 
 
 def _unpermute(w: Linear, n_head: int) -> Linear:
-    """Undo llama.cpp's Q/K row permutation (its rotary pairs are interleaved; ours are halves)."""
+    """Undo llama.cpp's Q/K row permutation (its rotary pairs are interleaved; ours are halves).
+    The rows are gathered by numpy (loading touches no torch kernel: see `Linear.from_blocks`)."""
     hd = w.n // n_head
-    perm = torch.arange(w.n).view(n_head, 2, hd // 2).transpose(1, 2).reshape(-1)
     # converted row r came from original row perm[r]; invert to get original order
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(w.n)
-    return w.select_rows(inv)
+    perm = np.arange(w.n).reshape(n_head, 2, hd // 2).transpose(0, 2, 1).reshape(-1)
+    inv = np.empty_like(perm)
+    inv[perm] = np.arange(w.n)
+    if w.parts:
+        return w.select_rows(torch.from_numpy(inv))
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        a = t.numpy()
+        return torch.from_numpy(np.take(a, inv, axis=0, out=aligned_empty(a.shape, a.dtype)))
+
+    with warnings.catch_warnings():   # raw weights are read-only views of the map; the rows are copies
+        warnings.simplefilter("ignore", UserWarning)
+        return Linear(w.n, w.k, pick(w.data), w.fmt, pick(w.scale), pick(w.min), pick(w.bias))
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gguf.GGUFReader"]:
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGUFFile]:
     """Config and weights of a GGUF model; weights keyed by our own names (see models/llama.py)."""
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, str(path))
@@ -302,7 +306,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], "gg
     return cfg, weights, reader
 
 
-def _release_converted(reader: "gguf.GGUFReader", weights: dict[str, Any]) -> None:
+def _release_converted(reader: GGUFFile, weights: dict[str, Any]) -> None:
     """Drop from this process's view of the memory map the pages of every tensor that is not used in
     place (converted, fused into a copy, or a norm): the tensors that are used in place keep the
     map alive, and the others' pages would otherwise stay resident next to their copies."""

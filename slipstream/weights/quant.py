@@ -65,9 +65,26 @@ def matvec_only() -> Iterator[None]:
         _path.matvec_only = old
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """An uninitialised C-contiguous array starting on a 64-byte boundary, as torch's CPU allocator
+    places tensors (numpy's malloc gives 16): weights converted with numpy keep torch's alignment."""
+    dt = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    buf = np.empty(size + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off:off + size].view(dt).reshape(shape)
+
+
+def aligned(a: np.ndarray, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A 64-byte-aligned contiguous copy of `a` (reshaped to `shape`) as a tensor."""
+    out = aligned_empty(a.shape, a.dtype)
+    np.copyto(out, a)
+    return torch.from_numpy(out if shape is None else out.reshape(shape))
+
+
+def _f16_np(b: np.ndarray) -> np.ndarray:
     """Two bytes per value (last axis) -> float16 values."""
-    return b.contiguous().view(torch.float16).squeeze(-1).contiguous()
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
 
 
 @dataclass
@@ -124,23 +141,24 @@ class Linear:
         name, qk, bb = RAW_TYPES[fmt]
         if k % qk:
             raise ValueError(f"{name} weights need K divisible by {qk}, got {k}")
-        if isinstance(blocks, np.ndarray):
-            arr = blocks.view(np.uint8).reshape(n, -1)
-            with warnings.catch_warnings():   # a read-only map: the kernels never write weights
-                warnings.simplefilter("ignore", UserWarning)
-                blocks = torch.from_numpy(arr)
-        raw = blocks.view(torch.uint8).reshape(n, -1)
+        # numpy until the end (as in `from_blocks`): loading touches no torch kernel
+        raw = blocks.view(np.uint8).reshape(n, -1) if isinstance(blocks, np.ndarray) else \
+            blocks.view(torch.uint8).reshape(n, -1)
         if raw.shape[1] != k // qk * bb:
             raise ValueError(f"a {name} row of {k} weights needs {k // qk * bb} bytes, got {raw.shape[1]}")
         lib = load_library() if reblock and fmt in REBLOCK and k % 64 == 0 else None
         if lib is not None:
-            src = raw.contiguous()
-            out = torch.empty_like(src)
+            src = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw.contiguous()
+            out = aligned_empty(src.shape, np.uint8)
             fn = lib.ss_reblock
             fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
             fn.restype = None
-            fn(fmt, src.data_ptr(), n, k, out.data_ptr())
-            return Linear(n, k, out, REBLOCK[fmt])
+            fn(fmt, src.ctypes.data if isinstance(src, np.ndarray) else src.data_ptr(), n, k, out.ctypes.data)
+            return Linear(n, k, torch.from_numpy(out), REBLOCK[fmt])
+        if isinstance(raw, np.ndarray):
+            with warnings.catch_warnings():   # a read-only map: the kernels never write weights
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(raw)
         return Linear(n, k, raw, fmt)
 
     def ggml_blocks(self) -> "Linear":
@@ -222,29 +240,34 @@ class Linear:
 
     @staticmethod
     def from_blocks(fmt: int, blocks: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear":
-        """From ggml block bytes, row by row ([N, K/32 * block bytes])."""
+        """From ggml block bytes, row by row ([N, K/32 * block bytes]). The bytes are split with numpy
+        (exact copies and one exact multiply): loading touches no torch kernel, whose code pages
+        would otherwise add ~7 MB to the resident memory after load."""
         if k % 32:
             raise ValueError(f"packed weights need K divisible by 32, got {k}")
-        raw = torch.from_numpy(np.array(blocks, dtype=np.uint8, copy=True)).reshape(n, -1)
+        raw = np.asarray(blocks, dtype=np.uint8).reshape(n, -1)   # the file's bytes, read in place
         if raw.shape[1] != k // 32 * BLOCK_BYTES[fmt]:
             raise ValueError(f"a {FORMAT_NAMES[fmt]} row of {k} weights needs "
                              f"{k // 32 * BLOCK_BYTES[fmt]} bytes, got {raw.shape[1]}")
-        b = raw.view(n, k // 32, BLOCK_BYTES[fmt])
+        b = raw.reshape(n, k // 32, BLOCK_BYTES[fmt])
+        t = aligned
         # Q4_0, Q4_1 and Q8_0 keep their fp16 scales (the kernels widen a row's scales as they go):
         # 5 bits per weight for Q4_1 instead of 6 with fp32 scales and mins
         if fmt == Q8_0:
-            return Linear(n, k, b[..., 2:].contiguous().view(torch.int8).reshape(n, k), fmt, _f16(b[..., 0:2]))
+            return Linear(n, k, t(b[..., 2:].view(np.int8), (n, k)), fmt, t(_f16_np(b[..., 0:2])))
         if fmt == Q4_F32:
-            d = b[..., 0:4].contiguous().view(torch.float32).squeeze(-1)
-            m = b[..., 4:8].contiguous().view(torch.float32).squeeze(-1)
+            d = np.ascontiguousarray(b[..., 0:4]).view(np.float32)[..., 0]
+            m = np.ascontiguousarray(b[..., 4:8]).view(np.float32)[..., 0]
         else:
-            d = _f16(b[..., 0:2])
+            d = _f16_np(b[..., 0:2])
             # d*(q-8) == d*q + (-8d), exactly (a power-of-two multiple); fp32 if -8d overflows fp16
-            m = _f16(b[..., 2:4]) if fmt == Q4_1 else -8.0 * (d if d.abs().max() < 4096 else d.float())
-            if m.dtype != d.dtype:
-                d = d.float()
-        qs = b[..., BLOCK_BYTES[fmt] - 16:].reshape(n, k // 2).contiguous()
-        return Linear(n, k, qs, fmt, d.contiguous(), m.contiguous())
+            if fmt == Q4_1:
+                m = _f16_np(b[..., 2:4])
+            else:
+                if not np.abs(d).max(initial=0) < 4096:
+                    d = d.astype(np.float32)
+                m = d * d.dtype.type(-8)
+        return Linear(n, k, t(b[..., BLOCK_BYTES[fmt] - 16:], (n, k // 2)), fmt, t(d), t(m))
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Linear":
         """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs).
@@ -415,11 +438,25 @@ def concat_rows(parts: list[Linear]) -> Linear:
         bare = tuple(concat_rows(r) if len(r) > 1 else r[0] for r in runs)
         return Linear(sum(p.n for p in parts), parts[0].k, torch.empty(0, dtype=torch.uint8), MIXED,
                       bias=bias, parts=bare)
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts).contiguous()  # noqa: E731
+    cat = lambda ts: None if ts[0] is None else _cat_rows(ts)  # noqa: E731
     fmts = {p.fmt for p in parts}
     fmt = parts[0].fmt if len(fmts) == 1 else Q4_F32   # mixed 4-bit sources share one layout
     return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
                   cat([p.scale for p in parts]), cat([p.min for p in parts]), bias)
+
+
+def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(ts) of CPU tensors, by numpy where their dtype allows (loading then touches no
+    torch kernel: see `Linear.from_blocks`)."""
+    if all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in ts):
+        parts = [t.numpy() for t in ts]
+        out = aligned_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                            np.result_type(*parts))
+        return torch.from_numpy(np.concatenate(parts, out=out))
+    return torch.cat(ts).contiguous()
+
+
+_NUMPY_DTYPES = {torch.uint8, torch.int8, torch.float16, torch.float32}
 
 
 def _raw_dequantize(w: Linear) -> torch.Tensor:
