@@ -231,7 +231,7 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 }
 
 #if defined(SS_AVX2)
-// Rows [n0, n1) of a re-blocked matrix (QT_R_Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS) on the fast path,
+// Rows [n0, n1) of a re-blocked matrix (QT_R_Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS, _Q6_K) on the fast path,
 // up to MAX_ROWS activation rows: as q_rows, one loop nest per (type, row count) in a function of
 // its own, instead of a call of qt_q8_row per weight row. Returns 0 for the other types.
 __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
@@ -239,27 +239,36 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
     const int K = m->k;
     const int8_t *xq = x->q;
     const float *xd = x->d, *xs = x->s;
-#define QTR_LOOP(NB)                                                                               \
+#define QTR_NEST(NB, ROW)                                                                          \
     for (int n = n0; n < n1; n++) {                                                                 \
         float out[MAX_ROWS];                                                                        \
+        const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * row_bytes;                          \
         if (pf_rows && n + pf_rows < m->n) {                                                        \
             const char *c = (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes;                \
             for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);           \
         }                                                                                           \
-        qt_rb_q8_row(T_, (const uint8_t *)m->q + (int64_t)n * row_bytes, K, xq, xd, xs, NB, out);   \
+        ROW;                                                                                        \
         for (int b = 0; b < (NB); b++) {                                                            \
             float *yo = y + (int64_t)b * ystride + n;                                               \
             const float v = m->bias ? out[b] + m->bias[n] : out[b];                                 \
             *yo = accumulate ? *yo + v : v;                                                         \
         }                                                                                           \
     }
+#define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out))
+#define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
     switch (m->qtype) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
+    case QT_R_Q6_K:   // from QT_RB6_ROWS_MAX rows on, qt_q8_row's decoded-block path is faster
+        if (nb >= QT_RB6_ROWS_MAX) return 0;
+        SS_BY_ROWS(nb, QTR6_LOOP)
+        return 1;
     default: return 0;
     }
 #undef QTR_CASE
+#undef QTR6_LOOP
 #undef QTR_LOOP
+#undef QTR_NEST
 }
 #endif
 
