@@ -24,9 +24,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per", type=int, default=10, help="timed steps per value and round")
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
-    ap.add_argument("--setting", choices=["prefetch", "wait-prefetch"], default="prefetch",
-                    help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch) or the "
-                         "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch)")
+    ap.add_argument("--setting", choices=["prefetch", "wait-prefetch", "attn-prefetch"], default="prefetch",
+                    help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
+                         "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
+                         "rows attention prefetches ahead (ss_set_attn_prefetch)")
     args = ap.parse_args()
 
     from slipstream import LLM
@@ -57,7 +58,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for v in values:
             if v is not None:
-                (lib.ss_set_prefetch if args.setting == "prefetch" else lib.ss_set_wait_prefetch)(v)
+                {"prefetch": lib.ss_set_prefetch, "wait-prefetch": lib.ss_set_wait_prefetch,
+                 "attn-prefetch": lib.ss_set_attn_prefetch}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])

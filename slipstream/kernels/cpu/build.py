@@ -81,6 +81,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_profile": [i32, vp],
         "ss_set_prefetch": [i32],
         "ss_set_wait_prefetch": [i32],
+        "ss_set_attn_prefetch": [i32],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
         "ss_qt_dequant": [i32, vp, i32, i32, i32, vp],
         "ss_add_rows": [vp, vp, ctypes.c_int64],

@@ -115,9 +115,9 @@ AI __m256 ss_kv_load8(const char *row, int d, int f16) {
     return _mm256_loadu_ps((const float *)row + d);
 }
 
-#ifndef SS_PREFETCH
-#define SS_PREFETCH 8   // cache rows ahead that attention asks for
-#endif
+// cache rows ahead that attention asks for (ss_set_attn_prefetch)
+static int ss_attn_pf __attribute__((unused)) = 16;
+#define SS_PREFETCH ss_attn_pf
 
 // scores of HB query heads (q, D apart; HB <= 3) against four keys, D % 8 == 0: 4 HB accumulators, each key
 // vector loaded (and widened) once for all the heads

@@ -596,6 +596,7 @@ static void moe_down(const SSModel *m, const SSStep *s, const SSMoe *e, int n0, 
 // the memory bus works while attention computes instead of idling until the next product starts.
 static int wait_pf_bytes = 65536;
 void ss_set_wait_prefetch(int bytes) { wait_pf_bytes = bytes > 0 ? bytes : 0; }
+void ss_set_attn_prefetch(int rows) { ss_attn_pf = rows > 1 ? rows : 1; }
 
 // prefetch rows [n0, n1) of m from row n0 on, at most `budget` bytes, while *ev < count; returns bytes issued
 static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count) {
