@@ -8,6 +8,7 @@ alternately with PYTHONPATH pointing at each and compare the medians.
 
     python benchmarks/step_ab.py [--batch 1] [--context 100] [--rounds 15] [--prefetch 0 32768 65536]
     python benchmarks/step_ab.py --setting wait-prefetch --prefetch 0 65536    # prefetch while waiting
+    python benchmarks/step_ab.py --prefill 64      # a 64-token prompt chunk on the native step instead
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per", type=int, default=10, help="timed steps per value and round")
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time a prompt chunk of this many tokens (after --context) instead of a decode step")
     ap.add_argument("--setting", choices=["prefetch", "wait-prefetch", "attn-prefetch"], default="prefetch",
                     help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
@@ -42,13 +45,15 @@ def main() -> None:
     dec = CpuTeamDecoder(model, kv, exact=False)
     seqs = [SequenceKV(kv) for _ in range(args.batch)]
     for i, s in enumerate(seqs):
-        s.reserve(args.context + 4)
+        s.reserve(args.context + max(4, args.prefill))
         model.forward(prefill_step(s, [1 + i] * args.context), kv)
     tokens, pos = [2] * args.batch, [args.context] * args.batch
 
+    chunk = prefill_step(seqs[0], [3 + i % 500 for i in range(args.prefill)], args.context) if args.prefill else None
+
     def step() -> float:
         t = time.perf_counter()
-        dec.forward(decode_step(seqs, tokens, pos), tokens_only=True)
+        dec.forward(chunk if chunk is not None else decode_step(seqs, tokens, pos), tokens_only=True)
         return time.perf_counter() - t
 
     for _ in range(5):
