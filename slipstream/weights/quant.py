@@ -94,7 +94,8 @@ class Linear:
     data: torch.Tensor                  # float32 [N, K] | uint8 [N, K/2] | int8 [N, K]
     fmt: int | None = None              # None = dense, else the ggml format it came from
     scale: torch.Tensor | None = None   # float32 or float16 [N, K/32]
-    min: torch.Tensor | None = None     # [N, K/32] (4-bit formats), the scale's dtype
+    min: torch.Tensor | None = None     # [N, K/32] (4-bit formats), the scale's dtype; Q4_0 with fp16
+                                        # scales: None (its offsets are -8 x the scales, see `mins`)
     bias: torch.Tensor | None = None
     parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
 
@@ -116,6 +117,13 @@ class Linear:
     def blocks(self) -> bool:
         """Rows of blocks decoded by `kernels/cpu/qtypes.h` (raw or re-blocked)."""
         return self.fmt in RAW_TYPES or self.fmt in REBLOCKED
+
+    def mins(self) -> torch.Tensor | None:
+        """The 4-bit formats' per-group offsets. Q4_0 keeps no min plane (2 bytes per 32 weights that
+        every product would read): d*(q-8) == d*q + (-8d) exactly, so they are -8 x its scales."""
+        if self.min is not None or self.fmt != Q4_0 or self.scale is None:
+            return self.min
+        return self.scale * -8
 
     @property
     def nbytes(self) -> int:
@@ -263,11 +271,13 @@ class Linear:
             # d*(q-8) == d*q + (-8d), exactly (a power-of-two multiple); fp32 if -8d overflows fp16
             if fmt == Q4_1:
                 m = _f16_np(b[..., 2:4])
-            else:
-                if not np.abs(d).max(initial=0) < 4096:
-                    d = d.astype(np.float32)
+            elif np.abs(d).max(initial=0) < 4096:   # Q4_0: no min plane (see `mins`)
+                m = None
+            else:   # -8d would overflow fp16: fp32 scales and their mins
+                d = d.astype(np.float32)
                 m = d * d.dtype.type(-8)
-        return Linear(n, k, t(b[..., BLOCK_BYTES[fmt] - 16:], (n, k // 2)), fmt, t(d), t(m))
+        return Linear(n, k, t(b[..., BLOCK_BYTES[fmt] - 16:], (n, k // 2)), fmt, t(d),
+                      None if m is None else t(m))
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Linear":
         """On `device`; dense weights also cast to `dtype` (packed codes and their scales keep theirs).
@@ -280,7 +290,9 @@ class Linear:
         # the GPU kernels read fp32 scales
         mv = lambda t: None if t is None else t.to(device, torch.float32 if gpu and t.dtype == torch.float16 else t.dtype)  # noqa: E731
         data = self.data.to(device=device, dtype=dtype) if self.fmt is None and dtype else self.data.to(device)
-        return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.min), mv(self.bias))
+        # the GPU kernels read a min plane (Q4_0's made there from its scales)
+        return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.mins() if gpu else self.min),
+                      mv(self.bias))
 
     def select_rows(self, rows: torch.Tensor) -> "Linear":
         if self.parts:
@@ -324,7 +336,8 @@ class Linear:
         if self.blocks or self.parts:
             return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
-        sc, mn = self.scale.float(), None if self.min is None else self.min.float()   # fp16 scales widened
+        mins = self.mins()
+        sc, mn = self.scale.float(), None if mins is None else mins.float()   # fp16 scales widened
         if self.fmt == Q8_0:
             lib.q8_dequant(self.data.data_ptr(), sc.data_ptr(), self.n, self.k, w.data_ptr())
         else:
@@ -441,8 +454,11 @@ def concat_rows(parts: list[Linear]) -> Linear:
     cat = lambda ts: None if ts[0] is None else _cat_rows(ts)  # noqa: E731
     fmts = {p.fmt for p in parts}
     fmt = parts[0].fmt if len(fmts) == 1 else Q4_F32   # mixed 4-bit sources share one layout
+    mins = [p.min for p in parts]
+    if any(m is None for m in mins) and not all(m is None for m in mins):
+        mins = [p.mins() for p in parts]   # Q4_0 beside other 4-bit parts: its min plane made
     return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
-                  cat([p.scale for p in parts]), cat([p.min for p in parts]), bias)
+                  cat([p.scale for p in parts]), cat(mins), bias)
 
 
 def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:

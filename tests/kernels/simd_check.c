@@ -187,6 +187,20 @@ static int check_q4_widths(void) {
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired fp16", G * 100 + nb);
             q4p_row(w, sc, mn, 0, G, xp, xdc, xe, xsc, nb, out);
             for (int r = 0; r < nb; r++) ok &= close_to(out[r], want[r], 1e-4, "q4q8 paired fp32", G * 100 + nb);
+            {   // Q4_0 keeps no min plane (mn NULL): the same bits as mins of -8 x the scales, fp32 and fp16
+                static float m8[GMAX];
+                static uint16_t m8h[GMAX];
+                float with[MAX_ROWS];
+                for (int g = 0; g < G; g++) m8[g] = -8.f * sc[g], m8h[g] = _cvtss_sh(-8.f * _cvtsh_ss(sch[g]), 0);
+                q4p_row(w, sc, m8, 0, G, xp, xdc, xe, xsc, nb, with);
+                q4p_row(w, sc, NULL, 0, G, xp, xdc, xe, xsc, nb, out);
+                for (int r = 0; r < nb; r++)
+                    if (out[r] != with[r]) { printf("q4p_row without mins fp32 differs (G %d nb %d)\n", G, nb); ok = 0; }
+                q4p_row(w, sch, m8h, 1, G, xp, xdc, xe, xsc, nb, with);
+                q4p_row(w, sch, NULL, 1, G, xp, xdc, xe, xsc, nb, out);
+                for (int r = 0; r < nb; r++)
+                    if (out[r] != with[r]) { printf("q4p_row without mins fp16 differs (G %d nb %d)\n", G, nb); ok = 0; }
+            }
             // the q8 product on the same paired rows: codes -127..127, fp16 and fp32 scales
             static int8_t w8[KMAX];
             for (int i = 0; i < K; i++) w8[i] = (int8_t)irand(-127, 127);

@@ -72,3 +72,16 @@ def test_arm_kernels_under_qemu(tmp_path: Path, march: str, isa: str):
     assert lib.returncode == 0, lib.stderr[-2000:]
     run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == f"{isa} ok", run.stdout + run.stderr
+
+
+@pytest.mark.skipif(not X86 or not _runs("x86-64-v3"), reason="needs an x86-64 CPU with AVX2")
+def test_x86_row_kernels_against_plain_loops(tmp_path: Path):
+    """simd_check.c on this CPU at the AVX2 level: the x86 row kernels (the paired q4/q8 products
+    included) against plain loops, as the Arm build is checked under qemu."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    exe = tmp_path / "simd_check"
+    build = subprocess.run([cc, "-O2", "-march=x86-64-v3", "-ffp-contract=off", "-o", str(exe),
+                            str(ROOT / "tests" / "kernels" / "simd_check.c"), "-lm"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

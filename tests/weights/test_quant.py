@@ -132,10 +132,14 @@ def test_dequantize_matches_formula(name: str):
     lin = Linear.from_blocks(fmt, pack_blocks(fmt, *parts), 8, 96)
     assert lin.packed and (lin.n, lin.k) == (8, 96)
     # compute layout: codes plus the scale (and min for 4-bit) per group of 32, fp16 as in the file
-    # (Q4_K's scales are products of two scales: fp32)
+    # (Q4_K's scales are products of two scales: fp32); Q4_0 keeps no min plane (-8 x its scales)
     sb = 4 if fmt == Q4_F32 else 2
-    expected = 8 * 96 + 8 * 3 * sb if fmt == Q8_0 else 8 * 48 + 2 * 8 * 3 * sb
+    planes = 1 if fmt in (Q8_0, Q4_0) else 2
+    expected = (8 * 96 if fmt == Q8_0 else 8 * 48) + planes * 8 * 3 * sb
     assert lin.nbytes == expected
+    assert (lin.min is None) == (fmt in (Q4_0, Q8_0))
+    if fmt == Q4_0:
+        assert torch.equal(lin.mins(), lin.scale * -8)
     assert np.array_equal(lin.dequantize().numpy(), expected_weight(fmt, *parts))
 
 

@@ -357,7 +357,8 @@ AI __m256i q4p_pair(__m256i lo, __m256i hi, const int8_t *a) {
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 }
 // xp, xe: the rows' paired codes and their scales four times each ([nb][K], [nb][4G]: ss_pair_groups);
-// xd: the plain scales (an odd last group's); xs: the per-group sums (the min term)
+// xd: the plain scales (an odd last group's); xs: the per-group sums (the min term). mn NULL: Q4_0, whose
+// offsets are -8 x the scales (exactly: a power of two), so it needs no min plane
 AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int G, const int8_t *xp,
                 const float *xd, const float *xe, const float *xs, int nb, float *out) {
     const int K = G * 32;
@@ -369,7 +370,8 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
     const __m256i i45 = _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), i67 = _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7);
     int g = 0;
     for (; g + 8 <= G; g += 8) {
-        const __m256 s8 = q4p_scales8(sc, half, g), m8 = q4p_scales8(mn, half, g);
+        const __m256 s8 = q4p_scales8(sc, half, g);
+        const __m256 m8 = mn ? q4p_scales8(mn, half, g) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
         _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {   // one pair at a time: few live registers at 8 rows
             const __m256i idx = j == 0 ? i01 : j == 1 ? i23 : j == 2 ? i45 : i67;
             const __m256i r = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j) * 16));
@@ -385,7 +387,8 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
     }
     for (; g + 2 <= G; g += 2) {
         const __m256 sp = _mm256_permutevar8x32_ps(q4p_scales2(sc, half, g), i01);
-        const __m128 m2 = _mm256_castps256_ps128(q4p_scales2(mn, half, g));
+        const __m128 m2 = mn ? _mm256_castps256_ps128(q4p_scales2(mn, half, g))
+                             : _mm_mul_ps(_mm256_castps256_ps128(q4p_scales2(sc, half, g)), _mm_set1_ps(-8.f));
         const __m256i r = _mm256_loadu_si256((const __m256i *)(w + g * 16));
         const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
@@ -397,7 +400,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
     if (g < G) {   // an odd last group: left unpaired (natural order) by ss_pair_groups
         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + g * 16)), m4x = _mm_set1_epi8(15);
         const __m256i wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4x), _mm_and_si128(raw, m4x));
-        const float s = q4p_scale1(sc, half, g), m = q4p_scale1(mn, half, g);
+        const float s = q4p_scale1(sc, half, g), m = mn ? q4p_scale1(mn, half, g) : -8.f * s;
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256i p = ss_dot_u8s8(wq, _mm256_loadu_si256((const __m256i *)(xp + (int64_t)b * K + g * 32)));
             tail[b] += s * xd[(int64_t)b * G + g] * hsum256(_mm256_cvtepi32_ps(p)) + m * xs[(int64_t)b * G + g];

@@ -188,6 +188,10 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
     if (half) {                                                                                     \
         ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G), sc = scb;                \
         if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G), mn = mnb;      \
+    }                                                                                               \
+    if (!m->min && m->kind == KIND_Q4) {   /* Q4_0: no min plane, the offset is -8 x the scale */  \
+        for (int g_ = 0; g_ < G; g_++) mnb[g_] = -8.f * sc[g_];                                    \
+        mn = mnb;                                                                                   \
     }
 #define QR_LOOP(NB, BODY)                                                                          \
     for (int n = n0; n < n1; n++) {                                                                 \
@@ -203,7 +207,7 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 #define Q4Q(NB) QR_LOOP(NB, QR_SCALES(n) q4q8_row(W4(n), sc, mn, G, xq, xd, xs, NB, out);)
 #define Q8Q(NB) QR_LOOP(NB, QR_SCALES(n) q8q8_row(W8(n), sc, G, xq, xd, NB, out);)
 #if defined(SS_AVX2)
-#define Q4P(NB) QR_LOOP(NB, q4p_row(W4(n), (const char *)m->scale + n * sstep, (const char *)m->min + n * sstep, \
+#define Q4P(NB) QR_LOOP(NB, q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
                                     half, G, x->p, xd, x->e, xs, NB, out);)
 #define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
     if (!exact && SS_Q4_PAIRS && x->p && (!half || q4_half_direct)) {
@@ -387,7 +391,8 @@ static void embed_row(const SSMat *e, int64_t tok, float *out) {
         const uint8_t *q = (const uint8_t *)e->q + tok * (K / 2);
         float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
         embed_scales(e, e->scale, tok, G, sc);
-        embed_scales(e, e->min, tok, G, mn);
+        if (e->min) embed_scales(e, e->min, tok, G, mn);
+        else for (int g = 0; g < G; g++) mn[g] = -8.f * sc[g];   // Q4_0: no min plane
         for (int g = 0; g < G; g++) {
             const float d = sc[g], m = mn[g];
             for (int j = 0; j < 16; j++) {
