@@ -100,6 +100,10 @@ static inline void ss_attend(const float *q, const void *kcache, const void *vca
 #undef SS_ROW
 }
 
+// cache rows ahead that attention asks for (ss_set_attn_prefetch)
+static int ss_attn_pf __attribute__((unused)) = 16;
+#define SS_PREFETCH ss_attn_pf
+
 #if defined(SS_AVX2)
 // four 8-lane partial sums -> their four totals
 AI __m128 ss_hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -115,9 +119,6 @@ AI __m256 ss_kv_load8(const char *row, int d, int f16) {
     return _mm256_loadu_ps((const float *)row + d);
 }
 
-// cache rows ahead that attention asks for (ss_set_attn_prefetch)
-static int ss_attn_pf __attribute__((unused)) = 16;
-#define SS_PREFETCH ss_attn_pf
 
 // scores of HB query heads (q, D apart; HB <= 3) against four keys, D % 8 == 0: 4 HB accumulators, each key
 // vector loaded (and widened) once for all the heads
