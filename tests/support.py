@@ -238,6 +238,16 @@ def forward_chunk(model, kv, seq, start: int, toks: list[int], all_rows: bool = 
     return model.forward(b.build(), kv)
 
 
+def hf_greedy(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' generate(do_sample=False) continuation of `prompt`. The mask is explicit:
+    generate() would otherwise take a prompt token equal to the pad id for padding."""
+    import torch
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def check_greedy_matches_generate(hf, model, vocab: int, new_tokens: int, prompt: int = 5, seed: int = 6) -> None:
     """Greedy decoding on the eager step (a prefill, then one decode step per token) gives
     transformers' generate(do_sample=False) tokens for a random prompt."""

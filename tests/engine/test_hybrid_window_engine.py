@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import gguf_tokenizer
+from support import gguf_tokenizer, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -76,11 +76,7 @@ def test_parts_outside_the_window_go_back_and_tokens_do_not_change(model, runtim
     # window's two blocks, one of slack, the one being filled and the next one reserved
     assert parts <= 6 // BLOCK + 4 < kept_parts
     if exact:
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                              do_sample=False)[0, ids.shape[1]:].tolist()
-        assert tokens == ref
+        assert tokens == hf_greedy(hf, prompt, NEW)
 
 
 def test_the_next_turn_reuses_the_prefix_with_its_last_window(model):

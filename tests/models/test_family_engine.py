@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import gguf_tokenizer
+from support import gguf_tokenizer, hf_greedy
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -51,9 +51,5 @@ def test_llm_generate_matches_transformers(tmp_path: Path, family: str):
     n = 7   # Phi-3: prompt and answer stay within its 16 short-factor positions
     outs = llm.generate(["abc!def", "xyz"], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     for o in outs:
-        with torch.no_grad():
-            ids = torch.tensor([o.prompt_token_ids])
-            # an explicit mask: generate() would otherwise mask the prompt's token 0 ("!") as padding
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              do_sample=False)[0, ids.shape[1]:].tolist()
-        assert o.token_ids == ref, (family, o.prompt_token_ids)
+        # hf_greedy's explicit mask: generate() would otherwise mask the prompt's token 0 ("!") as padding
+        assert o.token_ids == hf_greedy(hf, o.prompt_token_ids, n), (family, o.prompt_token_ids)
