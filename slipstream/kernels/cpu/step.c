@@ -283,6 +283,17 @@ static SSAct act_rows(const SSAct *a, int64_t r, int K) {
                    a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
 }
 
+// bytes of one weight row's codes (ggml blocks for KIND_QT, fp32 values for KIND_F32), and of its scales
+// (and as many of its mins: q4, q8; fp16 when qtype is QT_F16)
+static int64_t mat_code_bytes(const SSMat *m) {
+    const int K = m->k;
+    return m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype)
+         : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
+}
+static int64_t mat_scale_bytes(const SSMat *m) {
+    return m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)(m->k / 32) * (m->qtype == QT_F16 ? 2 : 4) : 0;
+}
+
 // y[b * ystride + n] (=|+=) W[n] . X[b] for n in [n0, n1), b < B. More than MAX_ROWS activation rows (a
 // prompt chunk) go MAX_ROWS at a time against blocks of weight rows that stay in L1, so a row's result
 // never depends on how many rows share the step. (Chunks against the whole tile, re-read from L2 for each,
@@ -299,10 +310,9 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         n1 = m->n;
     }
     const int K = m->k, G = K / 32;
-    const int64_t row_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype) : 0;
     const int half = m->kind != KIND_QT && m->qtype == QT_F16;   // q4/q8 with fp16 scales
-    const int64_t code_bytes = m->kind == KIND_QT ? row_bytes : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
-    const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
+    const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
+    const int64_t row_bytes = m->kind == KIND_QT ? code_bytes : 0;
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
         const int wb = (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
         for (int r0 = n0; r0 < n1; r0 += wb)
@@ -610,11 +620,7 @@ void ss_set_attn_prefetch(int rows) { ss_attn_pf = rows > 1 ? rows : 1; }
 static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count) {
     while (n0 >= m->n && m->next) n0 -= m->n, n1 -= m->n, m = m->next;
     if (n1 > m->n) n1 = m->n;
-    const int K = m->k, G = K / 32;
-    const int half = m->kind != KIND_QT && m->qtype == QT_F16;
-    const int64_t code_bytes = m->kind == KIND_QT ? (int64_t)K / qt_block(m->qtype) * qt_bytes(m->qtype)
-                             : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
-    const int64_t scale_bytes = m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)G * (half ? 2 : 4) : 0;
+    const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
     int64_t done = 0, since_check = 0;
     for (int n = n0; n < n1 && done < budget; n++) {
         const char *c = (const char *)m->q + (int64_t)n * code_bytes;
