@@ -53,11 +53,13 @@ test-tools:
 	  echo "note: no chromium: the chat page's browser test will be skipped"
 
 # peers for benchmarks/cpu_decode.py: llama.cpp built for this CPU (--no-cache-dir: a wheel cached on
-# another CPU dies with an illegal instruction; no AMX: the AMX build crashed on multi-token prompts on
-# our Xeons), and transformers
+# another CPU dies with an illegal instruction; no AMX: the AMX build crashes (SIGSEGV) on multi-token
+# prompts on our Xeons, and with GGML_NATIVE=ON the GGML_AMX_* options are ignored, -march=native turns
+# AMX on: the compiler flags turn it off), and transformers
+NOAMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 bench-deps: $(TEST_STAMP)
 	$(BIN)/python -c "import llama_cpp" 2>/dev/null || \
-	  CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+	  CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NOAMX)' -DCMAKE_CXX_FLAGS='$(NOAMX)'" \
 	  $(BIN)/pip install -q --no-cache-dir "llama-cpp-python[server]==0.3.36"
 
 bench-cpu: bench-deps

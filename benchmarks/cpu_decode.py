@@ -297,12 +297,13 @@ def _slipstream_batch(llm: Any, ids: list[int], max_tokens: int, runs: int, batc
     return EngineResult(f"slipstream-b{batch}", True, load_s=load_s, info=info, runs=_bench(one, runs))
 
 
-def run_llama_cpp(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int) -> EngineResult:
+def run_llama_cpp(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int,
+                  n_batch: int = 512) -> EngineResult:
     import llama_cpp
 
     t = time.perf_counter()
     llm = llama_cpp.Llama(str(model), n_ctx=len(ids) + max_tokens + 16, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
+                          n_threads_batch=threads, n_batch=n_batch, n_ubatch=n_batch, verbose=False)
     load_s = time.perf_counter() - t
 
     def groups() -> Generator[list[int], None, None]:
@@ -311,7 +312,7 @@ def run_llama_cpp(model: Path, ids: list[int], max_tokens: int, runs: int, threa
         for tok in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
             yield [tok]
 
-    info = {"version": llama_cpp.__version__, "n_threads": threads,
+    info = {"version": llama_cpp.__version__, "n_threads": threads, "n_batch": n_batch,
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
     return EngineResult("llama.cpp", True, load_s=load_s, info=info,
                         runs=_bench(lambda: time_stream(groups, max_tokens), runs))
@@ -353,7 +354,9 @@ RUNNERS: dict[str, Callable[..., EngineResult]] = {
 
 def child_main(args: argparse.Namespace) -> int:
     ids = json.loads(Path(args.prompt_ids_file).read_text())
-    extra = {"batch": args.batch} if args.engine.startswith("slipstream") and args.batch > 1 else {}
+    extra: dict[str, int] = {"batch": args.batch} if args.engine.startswith("slipstream") and args.batch > 1 else {}
+    if args.engine == "llama.cpp":
+        extra["n_batch"] = args.llama_batch
     res = RUNNERS[args.engine](Path(args.model), ids, args.max_tokens, args.runs, args.threads, **extra)
     Path(args.json).write_text(json.dumps(asdict(res)))
     return 0
@@ -417,7 +420,7 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
         cmd = [sys.executable, os.path.abspath(__file__), "--engine", engine, "--json", str(out),
                "--model", str(args.model), "--prompt-ids-file", str(ids_file),
                "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-               "--batch", str(args.batch)]
+               "--batch", str(args.batch), "--llama-batch", str(args.llama_batch)]
         from slipstream import peer_environ   # llama.cpp gets the user's OpenMP wait policy, not ours
         env = dict(os.environ if engine.startswith("slipstream") else peer_environ(), OMP_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
@@ -680,6 +683,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="build slipstream's kernels for this -march (e.g. x86-64-v3 for AVX2 on an AVX-512 machine)")
     p.add_argument("--llama-path", default=None,
                    help="directory holding another llama-cpp-python build (pip install --target), e.g. an AVX2 one")
+    p.add_argument("--llama-batch", type=int, default=512,
+                   help="llama.cpp's n_batch (prompt tokens per evaluation); 1 feeds the prompt one token at a "
+                        "time, for a build whose batched product crashes (ggml's AMX path on our Xeons)")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
     p.add_argument("--engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--prompt-ids-file", default=None, help=argparse.SUPPRESS)          # child mode
