@@ -28,6 +28,7 @@ from slipstream.kernels.cpu import load_library
 from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, SSMat, SSModel, SSMoe, SSStep
 from slipstream.kv.blocks import HybridKVCache
 from slipstream.runtime import cpu_plan
+from slipstream.runtime.cpu_load import NeighbourLoad, team_size
 from slipstream.weights.moe import MoeLayer
 from slipstream.weights.quant import Linear
 
@@ -152,6 +153,12 @@ class CpuTeamDecoder:
         spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
         # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
         self.threads = self.lib.ss_team_configure(threads or default_threads(), *(spin + [-1, -1])[:2])
+        # the team shrinks while other processes keep cores busy, and grows back (cpu_load.py);
+        # SLIPSTREAM_ADAPTIVE_THREADS=0 keeps it at `threads`
+        self.active_threads = self.threads
+        self._cores = default_threads() if threads is None else max(self.threads, default_threads())
+        adaptive = os.environ.get("SLIPSTREAM_ADAPTIVE_THREADS", "1") != "0" and self.threads > 1
+        self._neighbours = NeighbourLoad() if adaptive else None
         c = model.cfg
         layers = model.layers
         lm = model.lm_head
@@ -193,6 +200,15 @@ class CpuTeamDecoder:
         # task tables by (rows, output rows, argmax), validated once each; the most recent kept
         self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
         self._events = np.zeros(0, dtype=np.int32)
+
+    def _fit_team(self) -> None:
+        """Resize the team to the cores the rest of the machine leaves free (at most once per window)."""
+        other = self._neighbours.sample() if self._neighbours is not None else None
+        if other is None:
+            return
+        want = team_size(self.threads, self._cores, other)
+        if want != self.active_threads:
+            self.active_threads = self.lib.ss_team_configure(want, -1, -1)
 
     def _moe_ptr(self, i: int) -> Any:
         st = self._moe[i]
@@ -326,6 +342,7 @@ class CpuTeamDecoder:
                       n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields,
                       _ptr(write_l), _ptr(slots_l))
         table = self._table(B, n_out, tokens_only)
+        self._fit_team()
         self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
                          self._events.ctypes.data, len(self._events), int(self.exact))
         out = st.next_tokens_np if tokens_only else st.logits_np
