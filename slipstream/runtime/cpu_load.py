@@ -18,14 +18,24 @@ from typing import Callable
 
 
 def _machine_busy_s() -> float | None:
-    """Seconds of CPU time the whole machine spent busy since boot (/proc/stat), None off Linux."""
+    """Seconds of CPU time the cores this process may run on spent busy since boot (/proc/stat's per-core
+    lines: in a container pinned to some of a big host's cores, the rest of the host is not a neighbour),
+    None off Linux."""
     try:
+        allowed = os.sched_getaffinity(0)
+        busy = 0
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                name, *values = line.split()
+                if name == "cpu" or int(name[3:]) not in allowed:
+                    continue
+                fields = [int(v) for v in values[:8]]
+                busy += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)   # less idle, iowait
+    except (OSError, ValueError, AttributeError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)   # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _own_cpu_s() -> float:
