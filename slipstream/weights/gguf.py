@@ -14,6 +14,7 @@ from slipstream.errors import ModelLoadError
 from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
+from slipstream.weights.hugepages import move_to_huge_pages
 from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
@@ -277,6 +278,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
     if cfg.num_experts:
         from slipstream.weights.moe import qwen_moe_layers_gguf
         weights.update(qwen_moe_layers_gguf(cfg, tensors, vec, lin, expert_linears))
+        move_to_huge_pages(weights, (reader.data.ctypes.data, reader.data.nbytes))
         _release_converted(reader, weights)
         return cfg, weights, reader
     for i in range(cfg.num_layers):
@@ -302,6 +304,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
             k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
             post_attn_norm=vec(p + "post_attention_norm.weight") if cfg.sandwich_norms else None,
             post_ffn_norm=vec(p + "post_ffw_norm.weight") if cfg.sandwich_norms else None)
+    move_to_huge_pages(weights, (reader.data.ctypes.data, reader.data.nbytes))
     _release_converted(reader, weights)
     return cfg, weights, reader
 
