@@ -126,6 +126,33 @@ static int check_exp(void) {
     return ok;
 }
 
+// ops.h's argmax (the step's greedy token) against the scalar definition: lowest index on ties, NaNs never
+// win, lengths around the vector width, the maximum first, last and in the tail
+static int scalar_argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+static int check_argmax(void) {
+    enum { N = 203 };
+    static float x[N];
+    int ok = 1;
+    for (int trial = 0; trial < 40 && ok; trial++) {
+        const int n = 1 + irand(0, N - 1);
+        for (int i = 0; i < n; i++) x[i] = (float)irand(-20, 20);   // small integers: many ties
+        const int where = trial % 4;   // 0: first, 1: last, 2: in the tail, 3: random
+        const int at = where == 0 ? 0 : where == 1 ? n - 1 : where == 2 ? (n & ~7) + (n % 8) / 2 : irand(0, n - 1);
+        if (trial & 1) x[at < n ? at : n - 1] = 50.f;
+        if (trial % 5 == 0) x[irand(0, n - 1)] = NAN;
+        if (trial % 7 == 0) x[0] = NAN;
+        if (trial % 9 == 0) x[irand(0, n - 1)] = -INFINITY;
+        const int got = ss_argmax(x, n), want = scalar_argmax(x, n);
+        if (got != want) { printf("mismatch argmax n%d trial%d: %d vs %d\n", n, trial, got, want); ok = 0; }
+    }
+    return ok;
+}
+
 // the fast q4 product at widths that exercise every step of the AVX2 kernel (8-group chunks, a pair
 // after them, an odd last group), at 1-8 rows, with fp32 scales and (AVX2 + F16C) fp16 ones
 static int check_q4_widths(void) {
@@ -296,6 +323,7 @@ int main(void) {
     ok &= check_qtypes();
     ok &= check_q4_widths();
     ok &= check_exp();
+    ok &= check_argmax();
     printf("%s %s\n", ss_isa_name(), ok ? "ok" : "FAILED");
     return ok ? 0 : 1;
 }

@@ -773,11 +773,7 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         moe_down(m, s, L->moe, t->t0, t->t1, exact);
         break;
     case OP_ARGMAX: {
-        const float *l = s->logits + (int64_t)t->t0 * m->vocab;
-        int best = 0;
-        for (int i = 1; i < m->vocab; i++)
-            if (l[i] > l[best]) best = i;
-        s->next_tokens[t->t0] = best;
+        s->next_tokens[t->t0] = ss_argmax(s->logits + (int64_t)t->t0 * m->vocab, m->vocab);
         break;
     }
     }
