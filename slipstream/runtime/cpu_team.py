@@ -156,7 +156,7 @@ class CpuTeamDecoder:
         # the team shrinks while other processes keep cores busy, and grows back (cpu_load.py);
         # SLIPSTREAM_ADAPTIVE_THREADS=0 keeps it at `threads`
         self.active_threads = self.threads
-        self._cores = default_threads() if threads is None else max(self.threads, default_threads())
+        self._cores = max(self.threads, default_threads())   # a team asked for more threads than cores
         adaptive = os.environ.get("SLIPSTREAM_ADAPTIVE_THREADS", "1") != "0" and self.threads > 1
         self._neighbours = NeighbourLoad() if adaptive else None
         c = model.cfg

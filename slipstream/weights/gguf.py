@@ -15,7 +15,7 @@ from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows, weight_linears
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -320,12 +320,10 @@ def _release_converted(reader: GGUFFile, weights: dict[str, Any]) -> None:
         return
     base, size = reader.data.ctypes.data, reader.data.nbytes
     used: list[tuple[int, int]] = []   # file byte ranges that weights still read in place
-    for w in weights.values():
-        for lin in (w.linears() if hasattr(w, "linears") else [w] if isinstance(w, Linear) else []):
-            for part in lin.parts or (lin,):
-                a = part.data.data_ptr()
-                if base <= a < base + size:
-                    used.append((a - base, a - base + part.data.numel() * part.data.element_size()))
+    for part in weight_linears(weights):
+        a = part.data.data_ptr()
+        if base <= a < base + size:
+            used.append((a - base, a - base + part.data.numel() * part.data.element_size()))
     page = mmap.PAGESIZE
     for t in reader.tensors:
         lo, hi = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slipstream.weights.quant import Linear
+from slipstream.weights.quant import Linear, weight_linears
 
 HUGE = 2 << 20          # the x86-64 and arm64 (4 KB granule) huge page
 MIN_BYTES = 4 << 20     # below this a huge page or two buys nothing
@@ -41,16 +41,6 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-def _linears(weights: dict[str, Any]) -> list[Linear]:
-    """Every distinct Linear (and part of one) the weights hold, each once (tied embeddings share one)."""
-    seen: dict[int, Linear] = {}
-    for w in weights.values():
-        for lin in w.linears() if hasattr(w, "linears") else [w] if isinstance(w, Linear) else []:
-            for part in lin.parts or (lin,):
-                seen.setdefault(id(part), part)
-    return list(seen.values())
-
-
 FIELDS = ("data", "scale", "min", "bias")
 
 
@@ -70,7 +60,7 @@ def move_to_huge_pages(weights: dict[str, Any], mapped: tuple[int, int] | None =
         return 0
     moves: list[tuple[Linear, str, torch.Tensor]] = []
     total = 0
-    for lin in _linears(weights):
+    for lin in weight_linears(weights):
         for name in FIELDS:
             t = getattr(lin, name)
             if _movable(t, mapped):

@@ -24,7 +24,7 @@ import contextlib
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import ctypes
 
@@ -423,6 +423,17 @@ class Linear:
         if self.bias is not None:
             out.add_(self.bias)
         return out
+
+
+def weight_linears(weights: dict[str, Any]) -> list[Linear]:
+    """Every distinct stored matrix of a loaded model's weights (layers through their `linears()`, and
+    the parts of a mixed Linear), each once: tied embeddings share one Linear."""
+    seen: dict[int, Linear] = {}
+    for w in weights.values():
+        for lin in w.linears() if hasattr(w, "linears") else [w] if isinstance(w, Linear) else []:
+            for part in lin.parts or (lin,):
+                seen.setdefault(id(part), part)
+    return list(seen.values())
 
 
 def _layout(p: Linear) -> object:
