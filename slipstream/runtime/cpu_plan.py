@@ -32,6 +32,7 @@ TASKS_PER_THREAD = 4
 MAX_ATTN_PARTS = 8   # step.c's MAX_PARTS
 ATTN_SPLIT_ROWS = 8
 NORM_ROWS = 8        # rows per RMSNorm task (a prompt chunk's rows are normalised in parallel)
+ROW_UNIT = 16        # output rows of the O, DOWN and LM-head tiles come in multiples of this: AMX's blocks
 
 
 class CpuPlanError(ValueError):
@@ -123,7 +124,7 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
                       for part in range(parts)])
         if s.head_dim % 32:
             op(PREP, layer, [(b, b + 1) for b in range(rows)])
-        op(O_PROJ, layer, _tiles(s.hidden, 8, s.heads * s.head_dim * bpw["o"], threads))
+        op(O_PROJ, layer, _tiles(s.hidden, ROW_UNIT, s.heads * s.head_dim * bpw["o"], threads))
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_ATTN)
         op(NORM, layer, _row_blocks(rows), NORM_FFN)
@@ -137,17 +138,17 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
                 items += [(SHARED_GU, t0, t1, 0)
                           for t0, t1 in _tiles(e.shared_ffn, 32, 2 * s.hidden * e.shared_bytes, threads)]
             group(layer, items)
-            op(MOE_DOWN, layer, _tiles(s.hidden, 8, slots * e.ffn * e.expert_bytes + e.shared_ffn * e.shared_bytes,
-                                       threads))
+            down_bytes = slots * e.ffn * e.expert_bytes + e.shared_ffn * e.shared_bytes
+            op(MOE_DOWN, layer, _tiles(s.hidden, ROW_UNIT, down_bytes, threads))
         else:
             op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
-            op(DOWN, layer, _tiles(s.hidden, 8, s.ffn * bpw["down"], threads))
+            op(DOWN, layer, _tiles(s.hidden, ROW_UNIT, s.ffn * bpw["down"], threads))
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_FFN)
     if n_out == 0:   # a prompt chunk that is not a prompt's end: no logits wanted
         return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
     op(NORM, -1, _row_blocks(n_out), NORM_FINAL)
-    op(LM_HEAD, -1, _tiles(s.vocab, 8, s.hidden * bpw["lm_head"], threads))
+    op(LM_HEAD, -1, _tiles(s.vocab, ROW_UNIT, s.hidden * bpw["lm_head"], threads))
     if argmax:
         op(ARGMAX, -1, [(b, b + 1) for b in range(n_out)])
     return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))

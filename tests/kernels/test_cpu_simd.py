@@ -106,3 +106,29 @@ def test_zero_rows_touch_nothing(fmt: int, exact: bool):
     y = torch.full((1, 64), 7.0)
     lib.ss_matmul(ctypes.byref(m), 0, None, y.data_ptr(), int(exact))
     assert torch.equal(y, torch.full((1, 64), 7.0))
+
+
+def _amx(on: bool) -> bool:
+    return bool(lib.ss_set_amx(int(on)))
+
+
+@pytest.mark.skipif(lib is None or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
+@pytest.mark.parametrize("rows,k", [(2, 352), (4, 64), (8, 352), (8, 1536), (13, 96)])
+def test_amx_tiles_agree_with_the_vector_kernels(fmt: int, rows: int, k: int):
+    """The batched fast products on AMX tiles (kernels/cpu/amx.h) against the vector kernels they replace
+    and the reference: the same int32 group sums, so equal up to fp32 rounding. 88 weight rows are five
+    tiles of 16 and 8 rows left to the vector kernels; K of 64, 96, 352 and 1536 give fewer groups than
+    the tiles keep in flight, partial blocks of four groups and long rows."""
+    w = _random_packed(fmt, 88, k, seed=fmt + rows + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)) * 2
+    try:
+        tiles = _matmul(w, x, exact=False)
+        _amx(False)
+        vector = _matmul(w, x, exact=False)
+    finally:
+        _amx(True)
+    scale = vector.abs().max().item()
+    assert not torch.equal(tiles, vector) or rows < 4   # the tiles did run (their rounding differs)
+    torch.testing.assert_close(tiles, vector, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(tiles, ref.product_q8(_parts(w), x), rtol=1e-4, atol=1e-4 * scale)

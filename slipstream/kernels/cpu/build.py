@@ -15,7 +15,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
 SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
-HEADERS = ["simd.h", "ops.h", "qtypes.h"]
+HEADERS = ["simd.h", "ops.h", "qtypes.h", "amx.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
 FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -80,6 +80,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_quantize": [vp, i32, i32, vp, vp, vp],
         "ss_profile": [i32, vp],
         "ss_set_prefetch": [i32],
+        "ss_set_amx": [i32],
         "ss_set_wait_prefetch": [i32],
         "ss_set_attn_prefetch": [i32],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
@@ -91,6 +92,7 @@ def load_library() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     lib.ss_team_configure.restype = i32
+    lib.ss_set_amx.restype = i32
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p
     return lib

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <alloca.h>
 
+#include "amx.h"
 #include "ops.h"
 #include "qtypes.h"
 
@@ -291,6 +292,20 @@ static SSAct act_rows(const SSAct *a, int64_t r, int K) {
                    a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
 }
 
+// Whether batched fast-path q4/q8 products run on AMX tiles (amx.h): 1 when this build and CPU have them and
+// Linux granted the tile state (SLIPSTREAM_AMX=0 turns them off). ss_set_amx(0 or 1) switches them (1 only
+// where they are usable) and returns the resulting state.
+int ss_set_amx(int on) {
+#ifdef SS_AMX
+    if (!on) amx_usable = 0;
+    else if (amx_usable == 0) amx_usable = amx_request();
+    return amx_on();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 // bytes of one weight row's codes (ggml blocks for KIND_QT, fp32 values for KIND_F32), and of its scales
 // (and as many of its mins: q4, q8; fp16 when qtype is QT_F16)
 static int64_t mat_code_bytes(const SSMat *m) {
@@ -321,8 +336,14 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int half = m->kind != KIND_QT && m->qtype == QT_F16;   // q4/q8 with fp16 scales
     const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
     const int64_t row_bytes = m->kind == KIND_QT ? code_bytes : 0;
+#ifdef SS_AMX
+    const int tiles = !exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && x->q && B >= (m->kind == KIND_Q4 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS_Q8) && amx_on();
+#else
+    const int tiles = 0;
+#endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
-        const int wb = (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
+        int wb = (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
+        if (tiles) wb = wb < 16 ? 16 : wb / 16 * 16;   // whole tiles of 16 weight rows
         for (int r0 = n0; r0 < n1; r0 += wb)
             for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
                 const SSAct xb = act_rows(x, b0, K);
@@ -332,6 +353,16 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         return;
     }
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
+#ifdef SS_AMX
+    if (tiles && n1 - n0 >= 16) {   // whole blocks of 16 weight rows on tiles, the rest below
+        const int blocks = (n1 - n0) / 16;
+        const AmxAct xa = amx_prep(x->q, x->d, x->s, K, B);
+        amx_rows(m->q, m->scale, m->min, half, m->kind == KIND_Q4, K, n0, blocks, &xa, B, m->bias, y, ystride,
+                 accumulate, pf_bytes > 0, m->n);
+        n0 += 16 * blocks;
+        if (n0 == n1) return;
+    }
+#endif
     if (m->kind == KIND_Q4 || m->kind == KIND_Q8) {
         q_rows(m, n0, n1, B, x, y, ystride, accumulate, exact, half, pf_rows, code_bytes, scale_bytes);
         return;
