@@ -5,6 +5,7 @@
 // difference between the two kernels' outputs (they differ by fp32 rounding only).
 //
 //   gcc -O3 -march=native -o /tmp/amx_kernels benchmarks/amx_kernels.c -lm && /tmp/amx_kernels
+// With -DN_ROWS=98304 -DPASSES=10 the matrix (28 MB as q4) no longer fits in L2: the speed the step sees.
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -15,7 +16,13 @@
 #ifndef SS_AMX
 int main(void) { puts("this build has no AMX (needs -march with amx-tile and amx-int8)"); return 0; }
 #else
-enum { N = 1536, K = 576, G = K / 32, PASSES = 200 };
+#ifndef N_ROWS
+#define N_ROWS 1536   // -DN_ROWS=98304 -DPASSES=10: a 28 MB q4 matrix, streamed from L3 as in the step
+#endif
+#ifndef PASSES
+#define PASSES 200
+#endif
+enum { N = N_ROWS, K = 576, G = K / 32 };
 
 static unsigned rng = 7;
 static float frand(void) { rng = rng * 1103515245u + 12345u; return ((rng >> 8) & 0xFFFF) / 32768.0f - 1.0f; }

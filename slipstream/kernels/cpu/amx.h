@@ -117,17 +117,35 @@ static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K
 // NULL on a q4 matrix): offsets -8 x scales; q8 (q4 = 0): no offsets.
 AI void amx_scales(const void *sc, const void *mn, int half, int G, int64_t n, int g4, int ng, int q4,
                    float sw[16][4], float mw[16][4]) {
-    if (ng == 4) {   // four groups of a row: one 8- or 16-byte load
-        for (int r = 0; r < 16; r++) {
-            const int64_t o = (n + r) * G + g4;
-            const __m128 s = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)sc + o)))
-                                  : _mm_loadu_ps((const float *)sc + o);
-            _mm_store_ps(sw[r], s);
-            if (!q4) continue;
-            const __m128 m = !mn ? _mm_mul_ps(s, _mm_set1_ps(-8.f))
-                           : half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)mn + o)))
-                                  : _mm_loadu_ps((const float *)mn + o);
-            _mm_store_ps(mw[r], m);
+    if (ng == 4) {   // gathered into whole vectors: the epilogue's 64-byte loads then read whole stores
+        // (four 16-byte stores read back as one vector wait for the stores to drain)
+        const __m512 m8 = _mm512_set1_ps(-8.f);
+        if (half) {   // a row's four fp16 values are one 64-bit element
+            const __m512i rows = _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(2 * G));
+            for (int h = 0; h < 2; h++) {
+                const int64_t o = (n + 8 * h) * G + g4;
+                const __m512i s8 = _mm512_i64gather_epi64(rows, (const uint16_t *)sc + o, 1);
+                const __m512 s0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s8)), s1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s8, 1));
+                _mm512_store_ps(sw[8 * h], s0), _mm512_store_ps(sw[8 * h + 4], s1);
+                if (!q4) continue;
+                if (!mn) {
+                    _mm512_store_ps(mw[8 * h], _mm512_mul_ps(s0, m8)), _mm512_store_ps(mw[8 * h + 4], _mm512_mul_ps(s1, m8));
+                    continue;
+                }
+                const __m512i m = _mm512_i64gather_epi64(rows, (const uint16_t *)mn + o, 1);
+                _mm512_store_ps(mw[8 * h], _mm512_cvtph_ps(_mm512_castsi512_si256(m)));
+                _mm512_store_ps(mw[8 * h + 4], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(m, 1)));
+            }
+        } else {   // lane l of vector v: row 4v + l / 4, group l % 4
+            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+            const __m512i rowq = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+            for (int v = 0; v < 4; v++) {
+                const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rowq, _mm512_set1_epi32(G)), lane);
+                const int64_t o = (n + 4 * v) * G + g4;
+                const __m512 s = _mm512_i32gather_ps(idx, (const float *)sc + o, 4);
+                _mm512_store_ps(sw[4 * v], s);
+                if (q4) _mm512_store_ps(mw[4 * v], mn ? _mm512_i32gather_ps(idx, (const float *)mn + o, 4) : _mm512_mul_ps(s, m8));
+            }
         }
         return;
     }
