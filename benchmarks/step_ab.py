@@ -42,7 +42,7 @@ def main() -> None:
     from slipstream.step import decode_step, prefill_step
 
     lib = load_library()
-    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + 8) * args.batch + 64)
+    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + 8 + args.prefill) * args.batch + 64)
     model, kv = llm.model, llm.engine.kv
     dec = CpuTeamDecoder(model, kv, exact=False)
     seqs = [SequenceKV(kv) for _ in range(args.batch)]
