@@ -68,15 +68,16 @@ static inline int amx_on(void) {
     return amx_usable;
 }
 
-AI void amx_configure(void) {
-    SSTileCfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = T_C0; t <= T_C3; t++) c.rows[t] = 16, c.colsb[t] = 8 * 4;   // 16 weight rows x 8 int32 sums
-    for (int t = T_A0; t <= T_A1; t++) c.rows[t] = 16, c.colsb[t] = 32;      // 16 weight rows x 32 codes
-    for (int t = T_B0; t <= T_B1; t++) c.rows[t] = 8, c.colsb[t] = 8 * 4;    // 8 code quads x 8 rows
-    _tile_loadconfig(&c);
-}
+// The tile shapes, a constant: built on the stack, GCC dropped its field stores once the function was
+// inlined (it does not see ldtilecfg read them) and the first tile load faulted.
+static const SSTileCfg amx_cfg = {
+    .palette = 1,
+    // 16 weight rows x 8 int32 sums (C0-C3), 16 weight rows x 32 codes (A0, A1), 8 code quads x 8 rows (B0, B1)
+    .colsb = {[T_C0] = 32, [T_C1] = 32, [T_C2] = 32, [T_C3] = 32, [T_A0] = 32, [T_A1] = 32, [T_B0] = 32, [T_B1] = 32},
+    .rows = {[T_C0] = 16, [T_C1] = 16, [T_C2] = 16, [T_C3] = 16, [T_A0] = 16, [T_A1] = 16, [T_B0] = 8, [T_B1] = 8},
+};
+
+AI void amx_configure(void) { _tile_loadconfig(&amx_cfg); }
 
 // The activation side of one call: B tiles and per-group scales for up to 8 rows (rows past nb are zero).
 typedef struct {
@@ -198,9 +199,9 @@ AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *b
 // pf: prefetch the next block of 16 rows (within n_all rows) while this one multiplies: the hardware
 // prefetchers alone do not follow 16 rows read 64 bytes at a time (the step's batch-8 gate/up products
 // took as long as on the vector kernels without it).
-static void amx_rows(const void *wq, const void *sc, const void *mn, int half, int q4, int K, int64_t n0,
-                     int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
-                     int accumulate, int pf, int64_t n_all) {
+AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, const int q4, int K, int64_t n0,
+                    int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                    int accumulate, int pf, int64_t n_all) {
     enum { LAG = 3 };
     const int G = K / 32;
     const int64_t row_bytes = q4 ? K / 2 : K;
@@ -281,5 +282,22 @@ static void amx_rows(const void *wq, const void *sc, const void *mn, int half, i
         }
     }
     _tile_release();
+}
+// one copy per kind, so the group loop has no branch on it
+__attribute__((noinline)) static void amx_rows_q4(const void *wq, const void *sc, const void *mn, int half, int K,
+                                                  int64_t n0, int blocks, const AmxAct *a, int nb, const float *bias,
+                                                  float *y, int ystride, int accumulate, int pf, int64_t n_all) {
+    amx_rows_of(wq, sc, mn, half, 1, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+__attribute__((noinline)) static void amx_rows_q8(const void *wq, const void *sc, int half, int K, int64_t n0,
+                                                  int blocks, const AmxAct *a, int nb, const float *bias, float *y,
+                                                  int ystride, int accumulate, int pf, int64_t n_all) {
+    amx_rows_of(wq, sc, NULL, half, 0, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+static void amx_rows(const void *wq, const void *sc, const void *mn, int half, int q4, int K, int64_t n0,
+                     int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                     int accumulate, int pf, int64_t n_all) {
+    if (q4) amx_rows_q4(wq, sc, mn, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+    else amx_rows_q8(wq, sc, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
 }
 #endif
