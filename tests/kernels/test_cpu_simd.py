@@ -132,3 +132,27 @@ def test_amx_tiles_agree_with_the_vector_kernels(fmt: int, rows: int, k: int):
     assert not torch.equal(tiles, vector) or rows < 4   # the tiles did run (their rounding differs)
     torch.testing.assert_close(tiles, vector, rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(tiles, ref.product_q8(_parts(w), x), rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.mark.skipif(lib is None or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
+@pytest.mark.parametrize("k", [64, 352, 1536])
+def test_amx_rows_are_the_same_alone_and_batched(fmt: int, k: int):
+    """On AMX machines a row's fast-path product is bitwise the same whatever shares its step: 8 rows go
+    on tiles, a row alone (and the 5 weight rows past the last block of 16) on their vector twin, which
+    follows the tiles' arithmetic exactly (kernels/cpu/amx.h). Speculative verification and prompt chunks
+    beside decode rows rely on it."""
+    w = _random_packed(fmt, 85, k, seed=fmt + k)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(k)) * 2
+    together = _matmul(w, x, exact=False)
+    for i in range(8):
+        assert torch.equal(_matmul(w, x[i:i + 1], exact=False)[0], together[i]), i
+    assert torch.equal(_matmul(w, x[:3], exact=False), together[:3])
+    m = w.ss_mat()   # without the tile-ordered copy of the scales (gathered from the [N][G] planes): the same bits
+    m.scale_t = m.min_t = None
+    for rows in (1, 8):
+        y = torch.empty(rows, w.n)
+        lib.ss_matmul(ctypes.byref(m), rows, x[:rows].contiguous().data_ptr(), y.data_ptr(), 0)
+        assert torch.equal(y, together[:rows]), rows
+    torch.testing.assert_close(together, ref.product_q8(_parts(w), x), rtol=1e-4,
+                               atol=1e-4 * together.abs().max().item())

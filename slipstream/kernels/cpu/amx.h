@@ -34,6 +34,9 @@
 #ifndef AMX_PF_BLOCKS
 #define AMX_PF_BLOCKS 2   // blocks of 16 weight rows prefetched ahead
 #endif
+#ifndef TWIN_PF_BLOCKS
+#define TWIN_PF_BLOCKS 1   // the same for the vector twin (step_ab.py, batch 1: 1 block 1.01x the paired kernels' step, 2 1.04x, 4 1.10x)
+#endif
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -114,65 +117,98 @@ static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K
     return a;
 }
 
-// The scales (and offsets) of 16 rows for groups g4..g4+ng-1, as fp32 [16][4]; Q4_0 (no min plane, mn
-// NULL on a q4 matrix): offsets -8 x scales; q8 (q4 = 0): no offsets.
-AI void amx_scales(const void *sc, const void *mn, int half, int G, int64_t n, int g4, int ng, int q4,
-                   float sw[16][4], float mw[16][4]) {
-    if (ng == 4) {   // gathered into whole vectors: the epilogue's 64-byte loads then read whole stores
-        // (four 16-byte stores read back as one vector wait for the stores to drain)
-        const __m512 m8 = _mm512_set1_ps(-8.f);
-        if (half) {   // a row's four fp16 values are one 64-bit element
-            const __m512i rows = _mm512_mullo_epi64(_mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_epi64(2 * G));
-            for (int h = 0; h < 2; h++) {
-                const int64_t o = (n + 8 * h) * G + g4;
-                const __m512i s8 = _mm512_i64gather_epi64(rows, (const uint16_t *)sc + o, 1);
-                const __m512 s0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s8)), s1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s8, 1));
-                _mm512_store_ps(sw[8 * h], s0), _mm512_store_ps(sw[8 * h + 4], s1);
-                if (!q4) continue;
-                if (!mn) {
-                    _mm512_store_ps(mw[8 * h], _mm512_mul_ps(s0, m8)), _mm512_store_ps(mw[8 * h + 4], _mm512_mul_ps(s1, m8));
-                    continue;
-                }
-                const __m512i m = _mm512_i64gather_epi64(rows, (const uint16_t *)mn + o, 1);
-                _mm512_store_ps(mw[8 * h], _mm512_cvtph_ps(_mm512_castsi512_si256(m)));
-                _mm512_store_ps(mw[8 * h + 4], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(m, 1)));
-            }
-        } else {   // lane l of vector v: row 4v + l / 4, group l % 4
-            const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-            const __m512i rowq = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-            for (int v = 0; v < 4; v++) {
-                const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(rowq, _mm512_set1_epi32(G)), lane);
-                const int64_t o = (n + 4 * v) * G + g4;
-                const __m512 s = _mm512_i32gather_ps(idx, (const float *)sc + o, 4);
-                _mm512_store_ps(sw[4 * v], s);
-                if (q4) _mm512_store_ps(mw[4 * v], mn ? _mm512_i32gather_ps(idx, (const float *)mn + o, 4) : _mm512_mul_ps(s, m8));
-            }
-        }
-        return;
-    }
-    for (int r = 0; r < 16; r++) {
-        const int64_t o = (n + r) * G + g4;
-        for (int i = 0; i < ng; i++) {
-            const float s = half ? _cvtsh_ss(((const uint16_t *)sc)[o + i]) : ((const float *)sc)[o + i];
-            sw[r][i] = s;
-            mw[r][i] = !q4 ? 0.f : mn ? (half ? _cvtsh_ss(((const uint16_t *)mn)[o + i]) : ((const float *)mn)[o + i])
-                                      : -8.f * s;
-        }
+// acc[j] (weight rows 2j, 2j+1 x 8 activation rows) += the scaled sums of group g in c; sw16, mw16: the 16 rows'
+// scales and offsets of the group (tile_scales), a pair of rows' taken by one permutation
+static const int32_t amx_pair_pick[8][16] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9}, {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13}, {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+AI void amx_epilogue(__m512 acc[8], const int32_t *c, const AmxAct *a, int g, const float *sw16, const float *mw16,
+                     int q4) {
+    const __m512 d = _mm512_load_ps(a->d + 16 * g), s = _mm512_load_ps(a->s + 16 * g);
+    const __m512 w = _mm512_load_ps(sw16), o = _mm512_load_ps(mw16);
+    for (int j = 0; j < 8; j++) {
+        const __m512i pick = _mm512_load_si512(amx_pair_pick[j]);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)), d);
+        acc[j] = _mm512_fmadd_ps(v, _mm512_permutexvar_ps(pick, w), acc[j]);
+        if (q4) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, o), s, acc[j]);
     }
 }
 
-// acc[j] (weight rows 2j, 2j+1 x 8 activation rows) += the scaled sums of group g (its i-th in sw, mw) in c.
-// sw and mw hold 4 rows' 4 groups per vector: one permutation gives a pair of rows' scale, 8 lanes each.
-AI void amx_epilogue(__m512 acc[8], const int32_t *c, const AmxAct *a, int g, float sw[16][4],
-                     float mw[16][4], int i, int q4) {
-    const __m512 d = _mm512_load_ps(a->d + 16 * g), s = _mm512_load_ps(a->s + 16 * g);
-    const __m512i pick0 = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4), _mm512_set1_epi32(i));
-    const __m512i pick1 = _mm512_add_epi32(pick0, _mm512_set1_epi32(8));
-    for (int j = 0; j < 8; j++) {
-        const __m512i pick = j & 1 ? pick1 : pick0;
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)), d);
-        acc[j] = _mm512_fmadd_ps(v, _mm512_permutexvar_ps(pick, _mm512_load_ps(sw[4 * (j >> 1)])), acc[j]);
-        if (q4) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, _mm512_load_ps(mw[4 * (j >> 1)])), s, acc[j]);
+// The scales (and offsets) of rows n.. (live of them; the others read row n's or 0) for groups g4.. (ng of them;
+// the others 0), lanes = rows: sw[i][r] is row r's scale of group g4 + i. Q4_0 (no min plane, mn NULL on a q4
+// matrix): offsets -8 x scales; q8 (q4 = 0): none. st/mt: the planes as [N/16][G][16] (weights/quant.py builds
+// them on AMX machines; NULL: read the [N][G] planes, gathered)
+static const uint16_t twin_by_group[2][32] __attribute__((aligned(64))) = {   // lane l: row l % 16, group l / 16 (+2)
+    {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61},
+    {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63},
+};
+AI void twin_half4(const uint16_t *p, int G, float out[4][16]) {   // 16 rows x 4 fp16 values of a plane at p
+    // each row's 8 bytes copied through a general register (load and store ports only: the vector units
+    // are this kernel's bottleneck, and a gather of them cost a third of the batch-1 product)
+    _Alignas(64) uint64_t rows[16];
+    for (int r = 0; r < 16; r++) memcpy(&rows[r], p + (int64_t)r * G, 8);
+    const __m512i lo = _mm512_load_si512(rows), hi = _mm512_load_si512(rows + 8);
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_permutex2var_epi16(lo, _mm512_load_si512(twin_by_group[h]), hi);
+        _mm512_store_ps(out[2 * h], _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
+        _mm512_store_ps(out[2 * h + 1], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
+    }
+}
+AI void tile_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int q4, int G, int64_t n,
+                    int live, int g4, int ng, float sw[4][16], float mw[4][16]) {
+    if (st && (n & 15) == 0) {   // the planes' tile-ordered copy: a group's 16 rows side by side
+        const int64_t at = ((n >> 4) * G + g4) * 16;
+        for (int i = 0; i < 4; i++) {
+            __m512 v = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+            if (i < ng) {
+                v = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)st + at + 16 * i)))
+                         : _mm512_loadu_ps((const float *)st + at + 16 * i);
+                o = !q4 ? o : !mt ? _mm512_mul_ps(v, _mm512_set1_ps(-8.f))
+                  : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mt + at + 16 * i)))
+                         : _mm512_loadu_ps((const float *)mt + at + 16 * i);
+            }
+            _mm512_store_ps(sw[i], v), _mm512_store_ps(mw[i], o);
+        }
+        return;
+    }
+    if (live == 16 && ng == 4) {
+        const int64_t o = n * G + g4;
+        if (half) {
+            twin_half4((const uint16_t *)sc + o, G, sw);
+            if (q4 && mn) twin_half4((const uint16_t *)mn + o, G, mw);
+        } else {
+            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                    _mm512_set1_epi32(G));
+            for (int i = 0; i < 4; i++) {
+                _mm512_store_ps(sw[i], _mm512_i32gather_ps(rows, (const float *)sc + o + i, 4));
+                if (q4 && mn) _mm512_store_ps(mw[i], _mm512_i32gather_ps(rows, (const float *)mn + o + i, 4));
+            }
+        }
+        if (q4 && !mn)
+            for (int i = 0; i < 4; i++) _mm512_store_ps(mw[i], _mm512_mul_ps(_mm512_load_ps(sw[i]), _mm512_set1_ps(-8.f)));
+        return;
+    }
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t e = (n + (r < live ? r : 0)) * G + g4 + i;
+            const float v = i >= ng ? 0.f : half ? _cvtsh_ss(((const uint16_t *)sc)[e]) : ((const float *)sc)[e];
+            sw[i][r] = v;
+            mw[i][r] = !q4 || i >= ng ? 0.f
+                     : mn ? (half ? _cvtsh_ss(((const uint16_t *)mn)[e]) : ((const float *)mn)[e]) : -8.f * v;
+        }
+}
+
+// the scales and mins of the 16 rows from n on, into L2: contiguous in either layout (the tile-ordered copy
+// when there is one, which is what the kernels then read)
+AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
+    const int64_t esz = half ? 2 : 4, at = n * G * esz;
+    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
+    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
+        __builtin_prefetch(s + at + o, 0, 2);
+        if (m) __builtin_prefetch(m + at + o, 0, 2);
     }
 }
 
@@ -199,7 +235,8 @@ AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *b
 // pf: prefetch the next block of 16 rows (within n_all rows) while this one multiplies: the hardware
 // prefetchers alone do not follow 16 rows read 64 bytes at a time (the step's batch-8 gate/up products
 // took as long as on the vector kernels without it).
-AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, const int q4, int K, int64_t n0,
+AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                    const int q4, int K, int64_t n0,
                     int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
                     int accumulate, int pf, int64_t n_all) {
     enum { LAG = 3 };
@@ -209,7 +246,7 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, co
     // vector stores have just written wait for the stores to drain (perf: the hottest instruction)
     _Alignas(64) uint8_t abuf[2][16 * 128];
     _Alignas(64) int32_t cbuf[2][16 * 8];   // sums stored one group before they are read
-    _Alignas(64) float sw[2][16][4], mw[2][16][4], out[8 * 16];   // scales of two blocks of 4 groups
+    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[8 * 16];   // scales of two blocks of 4 groups
     const __m512i pick_m = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
     amx_configure();
     for (int blk = 0; blk < blocks; blk++) {
@@ -220,7 +257,7 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, co
 #define AMX_STORE_C(t) switch ((t) & 3) { \
             case 0: _tile_stored(T_C0, cbuf[(t) & 1], 32); break; case 1: _tile_stored(T_C1, cbuf[(t) & 1], 32); break; \
             case 2: _tile_stored(T_C2, cbuf[(t) & 1], 32); break; default: _tile_stored(T_C3, cbuf[(t) & 1], 32); }
-#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, (p), sw[((p) >> 2) & 1], mw[((p) >> 2) & 1], (p) & 3, q4)
+#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, (p), sw[((p) >> 2) & 1][(p) & 3], mw[((p) >> 2) & 1][(p) & 3], q4)
         if (q4) amx_unpack(w, row_bytes, 0, G, abuf[0]);
         for (int g = 0; g < G; g++) {
             const int i = g & 3;
@@ -232,15 +269,9 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, co
                         __builtin_prefetch(nx + r * row_bytes, 0, 2);
                         if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
                     }
-                    if (g == 0) {   // and its scales and mins, contiguous
-                        const int64_t esz = half ? 2 : 4, at = (n + 16 * AMX_PF_BLOCKS) * G * esz;
-                        for (int64_t o = 0; o < 16 * G * esz; o += 64) {
-                            __builtin_prefetch((const char *)sc + at + o, 0, 2);
-                            if (mn) __builtin_prefetch((const char *)mn + at + o, 0, 2);
-                        }
-                    }
+                    if (g == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n + 16 * AMX_PF_BLOCKS);
                 }
-                amx_scales(sc, mn, half, G, n, g, ng, q4, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
+                tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
                 if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((g >> 2) + 1) & 1]);
             }
             const void *A = q4 ? (const void *)(abuf[(g >> 2) & 1] + 32 * i) : (const void *)(w + 32 * g);
@@ -284,20 +315,188 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, int half, co
     _tile_release();
 }
 // one copy per kind, so the group loop has no branch on it
-__attribute__((noinline)) static void amx_rows_q4(const void *wq, const void *sc, const void *mn, int half, int K,
+__attribute__((noinline)) static void amx_rows_q4(const void *wq, const void *sc, const void *mn, const void *st,
+                                                  const void *mt, int half, int K, int64_t n0, int blocks,
+                                                  const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                                                  int accumulate, int pf, int64_t n_all) {
+    amx_rows_of(wq, sc, mn, st, mt, half, 1, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+__attribute__((noinline)) static void amx_rows_q8(const void *wq, const void *sc, const void *st, int half, int K,
                                                   int64_t n0, int blocks, const AmxAct *a, int nb, const float *bias,
                                                   float *y, int ystride, int accumulate, int pf, int64_t n_all) {
-    amx_rows_of(wq, sc, mn, half, 1, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+    amx_rows_of(wq, sc, NULL, st, NULL, half, 0, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
 }
-__attribute__((noinline)) static void amx_rows_q8(const void *wq, const void *sc, int half, int K, int64_t n0,
-                                                  int blocks, const AmxAct *a, int nb, const float *bias, float *y,
-                                                  int ystride, int accumulate, int pf, int64_t n_all) {
-    amx_rows_of(wq, sc, NULL, half, 0, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
-}
-static void amx_rows(const void *wq, const void *sc, const void *mn, int half, int q4, int K, int64_t n0,
-                     int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+static void amx_rows(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half, int q4,
+                     int K, int64_t n0, int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
                      int accumulate, int pf, int64_t n_all) {
-    if (q4) amx_rows_q4(wq, sc, mn, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
-    else amx_rows_q8(wq, sc, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+    if (q4) amx_rows_q4(wq, sc, mn, st, mt, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+    else amx_rows_q8(wq, sc, st, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+
+// -- the tiles' twin on the vector units ---------------------------------------------------------------
+// Rows the tiles do not take (a step of one row, fewer rows than AMX_MIN_ROWS_*, a range's last rows short
+// of a block of 16) must give bitwise what the tiles would: a request's tokens may not depend on what
+// shares its step (speculative verification rows, prompt chunks beside decode rows, batch 8 against
+// batch 1). So on AMX machines the fast path's other q4/q8 products follow the tiles' arithmetic exactly:
+// each group's int32 sum, then per output, group by group in order,
+//     acc = fma(float(sum) * d, sc, acc);  acc = fma(mn, s, acc)   (q4)
+// with lanes = 16 weight rows. The sums: vpdpbusd of 4 groups of a row at once (q4: low nibbles against
+// the groups' codes 0-15, high nibbles against 16-31; q8: codes + 128 as unsigned bytes, less 128 x the
+// group's code sum), 4 lanes per group, then reduced across lanes and transposed to lanes = rows.
+
+// the activation side: per row m and block of 4 groups c, two 64-byte vectors (q4: [g low codes 0-15] x 4,
+// [g codes 16-31] x 4; q8: the codes in order) and, for q8, each group's code sum
+typedef struct {
+    int8_t *v;     // [nb][C][2][64]
+    int32_t *isum; // [nb][4 C]
+} TwinAct;
+
+static __thread void *twin_buf;
+static __thread int64_t twin_cap;
+
+static TwinAct twin_prep(const int8_t *xq, int K, int nb, int q4) {
+    const int G = K / 32, C = (G + 3) / 4;
+    const int64_t need = (int64_t)nb * C * (128 + 16);
+    if (need > twin_cap) {
+        free(twin_buf);
+        twin_buf = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+        twin_cap = need;
+    }
+    TwinAct t = {(int8_t *)twin_buf, (int32_t *)((char *)twin_buf + (int64_t)nb * C * 128)};
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int m = 0; m < nb; m++)
+        for (int c = 0; c < C; c++) {   // four groups' 128 codes (fewer at the end: zeros)
+            const int ng = G - 4 * c < 4 ? G - 4 * c : 4;
+            const int8_t *x = xq + (int64_t)m * K + 128 * c;
+            const __mmask64 k0 = ng >= 2 ? ~0ULL : (1ULL << (32 * ng)) - 1;
+            const __mmask64 k1 = ng >= 4 ? ~0ULL : ng <= 2 ? 0 : (1ULL << (32 * (ng - 2))) - 1;
+            const __m512i a = _mm512_maskz_loadu_epi8(k0, x), b = _mm512_maskz_loadu_epi8(k1, x + 64);
+            int8_t *v = t.v + ((int64_t)m * C + c) * 128;
+            if (q4) {   // 128-bit blocks [g0 0-15, g0 16-31, g1 0-15, g1 16-31] [g2 ..., g3 ...]
+                _mm512_store_si512(v, _mm512_shuffle_i32x4(a, b, 0x88));
+                _mm512_store_si512(v + 64, _mm512_shuffle_i32x4(a, b, 0xDD));
+                continue;
+            }
+            _mm512_store_si512(v, a), _mm512_store_si512(v + 64, b);
+            // each group's code sum (q8): 1 x code, four per lane, then the group's 8 lanes
+            const __m512i sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, a);
+            const __m512i sb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, b);
+            int32_t *is = t.isum + (int64_t)m * 4 * C + 4 * c;
+            is[0] = _mm512_mask_reduce_add_epi32(0x00FF, sa), is[1] = _mm512_mask_reduce_add_epi32(0xFF00, sa);
+            is[2] = _mm512_mask_reduce_add_epi32(0x00FF, sb), is[3] = _mm512_mask_reduce_add_epi32(0xFF00, sb);
+        }
+    return t;
+}
+
+// four rows' vectors r[0..3] of [group j: 4 partial sums] -> [group j: the four rows' sums]
+AI __m512i twin_reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+// rows [n0, n1) (any count), nb <= 8 activation rows: y[m * ystride + n] (=|+=) W[n] . X[m] (+ bias[n])
+AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                     const int q4, int K, int64_t n0,
+                     int64_t n1, const int8_t *xq, const float *xd, const float *xs, int nb, const float *bias,
+                     float *y, int ystride, int accumulate, int pf, int64_t n_all) {
+    const int G = K / 32, C = (G + 3) / 4;
+    const int64_t row_bytes = q4 ? K / 2 : K;
+    const TwinAct t = twin_prep(xq, K, nb, q4);
+    const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    _Alignas(64) float sw[4][16], mw[4][16];
+    _Alignas(64) int32_t red[MAX_ROWS][4][16];   // [m][row quad][group j: 4 rows]
+    for (int64_t n = n0; n < n1; n += 16) {
+        const int live = n1 - n < 16 ? (int)(n1 - n) : 16;
+        const __mmask16 keep = (__mmask16)((1u << live) - 1);
+        __m512 acc[MAX_ROWS];
+        for (int m = 0; m < nb; m++) acc[m] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) {
+            const int g4 = 4 * c, ng = G - g4 < 4 ? G - g4 : 4;
+            if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all) {   // a later block's same 4 groups, as amx_rows_of
+                const uint8_t *nx = (const uint8_t *)wq + (n + 16 * TWIN_PF_BLOCKS) * row_bytes + (q4 ? 16 : 32) * (int64_t)g4;
+                for (int r = 0; r < 16; r++) {
+                    __builtin_prefetch(nx + r * row_bytes, 0, 2);
+                    if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
+                }
+                if (c == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n + 16 * TWIN_PF_BLOCKS);
+            }
+            tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
+            const __mmask64 k = q4 ? (ng == 4 ? ~0ULL : (1ULL << (16 * ng)) - 1) : ~0ULL;
+            for (int q = 0; q < 4; q++) {   // rows 4q..4q+3
+                __m512i w0[4], w1[4];
+                for (int r = 0; r < 4; r++) {
+                    const int rr = 4 * q + r < live ? 4 * q + r : 0;
+                    const uint8_t *p = (const uint8_t *)wq + (n + rr) * row_bytes;
+                    if (q4) {
+                        const __m512i raw = _mm512_maskz_loadu_epi8(k, p + 16 * g4);
+                        w0[r] = _mm512_and_si512(raw, m4), w1[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                    } else {   // groups g4, g4+1 and g4+2, g4+3 (past G: zero codes, read as 128 after the flip)
+                        const __mmask64 k0 = ng >= 2 ? ~0ULL : (1ULL << (32 * ng)) - 1;
+                        const __mmask64 k1 = ng >= 4 ? ~0ULL : ng <= 2 ? 0 : (1ULL << (32 * (ng - 2))) - 1;
+                        w0[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k0, p + 32 * g4), flip);
+                        w1[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(k1, p + 32 * g4 + 64), flip);
+                    }
+                }
+                for (int m = 0; m < nb; m++) {
+                    const int8_t *v = t.v + ((int64_t)m * C + c) * 128;
+                    const __m512i a0 = _mm512_load_si512(v), a1 = _mm512_load_si512(v + 64);
+                    __m512i part[4];
+                    for (int r = 0; r < 4; r++) {
+                        if (q4) {   // [group j: 4 partials]
+                            part[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[r], a0), w1[r], a1);
+                            continue;
+                        }
+                        const __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[r], a0);
+                        const __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[r], a1);
+                        // [g0: 8 | g1: 8], [g2 | g3] -> [group j: 4 partials]
+                        part[r] = _mm512_add_epi32(_mm512_shuffle_i32x4(p0, p1, 0x88), _mm512_shuffle_i32x4(p0, p1, 0xDD));
+                    }
+                    _mm512_store_si512(red[m][q], twin_reduce4(part[0], part[1], part[2], part[3]));
+                }
+            }
+            for (int m = 0; m < nb; m++) {
+                // red[m][q] = [group j: rows 4q..4q+3] -> per group j, rows 0..15
+                const __m512i r0 = _mm512_load_si512(red[m][0]), r1 = _mm512_load_si512(red[m][1]);
+                const __m512i r2 = _mm512_load_si512(red[m][2]), r3 = _mm512_load_si512(red[m][3]);
+                const __m512i t01a = _mm512_shuffle_i32x4(r0, r1, 0x44), t01b = _mm512_shuffle_i32x4(r0, r1, 0xEE);
+                const __m512i t23a = _mm512_shuffle_i32x4(r2, r3, 0x44), t23b = _mm512_shuffle_i32x4(r2, r3, 0xEE);
+                __m512i sums[4];
+                sums[0] = _mm512_shuffle_i32x4(t01a, t23a, 0x88), sums[1] = _mm512_shuffle_i32x4(t01a, t23a, 0xDD);
+                sums[2] = _mm512_shuffle_i32x4(t01b, t23b, 0x88), sums[3] = _mm512_shuffle_i32x4(t01b, t23b, 0xDD);
+                const int G_ = G;
+                for (int i = 0; i < ng; i++) {
+                    const int g = g4 + i;
+                    __m512i s32 = sums[i];
+                    if (!q4) s32 = _mm512_sub_epi32(s32, _mm512_set1_epi32(128 * t.isum[(int64_t)m * 4 * C + g]));
+                    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(xd[(int64_t)m * G_ + g]));
+                    acc[m] = _mm512_fmadd_ps(v, _mm512_load_ps(sw[i]), acc[m]);
+                    if (q4) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(mw[i]), _mm512_set1_ps(xs[(int64_t)m * G_ + g]), acc[m]);
+                }
+            }
+        }
+        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < nb; m++) {
+            float *yo = y + (int64_t)m * ystride + n;
+            __m512 v = _mm512_add_ps(acc[m], b16);
+            if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
+            _mm512_mask_storeu_ps(yo, keep, v);
+        }
+    }
+}
+
+__attribute__((noinline)) static void twin_rows_q4(const void *wq, const void *sc, const void *mn, const void *st,
+                                                   const void *mt, int half, int K,
+                                                   int64_t n0, int64_t n1, const int8_t *xq, const float *xd,
+                                                   const float *xs, int nb, const float *bias, float *y,
+                                                   int ystride, int accumulate, int pf, int64_t n_all) {
+    twin_rows_of(wq, sc, mn, st, mt, half, 1, K, n0, n1, xq, xd, xs, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+__attribute__((noinline)) static void twin_rows_q8(const void *wq, const void *sc, const void *st, int half, int K,
+                                                   int64_t n0,
+                                                   int64_t n1, const int8_t *xq, const float *xd, int nb,
+                                                   const float *bias, float *y, int ystride, int accumulate,
+                                                   int pf, int64_t n_all) {
+    twin_rows_of(wq, sc, NULL, st, NULL, half, 0, K, n0, n1, xq, xd, NULL, nb, bias, y, ystride, accumulate, pf, n_all);
 }
 #endif
