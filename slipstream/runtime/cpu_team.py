@@ -10,7 +10,8 @@ with no fork/join barrier between operators. Two kinds of products:
   maths up to summation order (greedy tokens identical to transformers on the default model).
 
 Prompt chunks of up to `prefill_tokens` tokens run here too, one row per token (the engine sends the
-short chunks that sit beside running decodes); longer prompts run on the eager path
+short chunks that sit beside running decodes; on AMX machines whole chunks of up to 512 tokens, whose
+products run on tiles); longer prompts run on the eager path
 (`LlamaModel.forward`, BLAS), which is also the reference this runtime is tested against.
 """
 from __future__ import annotations
@@ -91,20 +92,21 @@ class _Act:
 
 
 class _Buffers:
-    """The step's activations for up to `rows` rows (allocated once per size, reused every step; a
-    step of fewer rows uses their first rows)."""
-    def __init__(self, dec: CpuTeamDecoder, rows: int):
+    """The step's activations for up to `rows` rows and logits for up to `out_rows` of them (allocated once
+    per size, reused every step; a step of fewer rows uses their first rows). Logits are sized apart: a
+    512-token prompt chunk wants one row of them, not 512 (100 MB for a 49K vocabulary)."""
+    def __init__(self, dec: CpuTeamDecoder, rows: int, out_rows: int):
         c = dec.model.cfg
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         f32 = torch.float32
-        self.rows = rows
+        self.rows, self.out_rows = rows, out_rows
         self.x = torch.zeros(rows, c.hidden_size, dtype=f32)
         self.h = _Act(rows, c.hidden_size)
         self.qkv = torch.zeros(rows, (H + 2 * KVH) * D, dtype=f32)
         self.attn = _Act(rows, H * D)
         self.act = _Act(rows, c.intermediate_size)
-        self.logits = torch.zeros(rows, c.vocab_size, dtype=f32)
-        self.next_tokens = torch.zeros(rows, dtype=torch.int64)
+        self.logits = torch.zeros(out_rows, c.vocab_size, dtype=f32)
+        self.next_tokens = torch.zeros(out_rows, dtype=torch.int64)
         self.tmp = torch.zeros(rows, c.hidden_size, dtype=f32) if dec.shape.post_norms else None
         e = dec.shape.moe
         if e is not None:   # the MoE layers' router outputs, (expert, row) pairs and expert activations
@@ -150,6 +152,8 @@ class CpuTeamDecoder:
         self.model = model
         self.kv = kv
         self.exact = bool(exact)
+        if not self.exact and self.lib.ss_amx_active():
+            self.prefill_tokens = self.prefill_tokens_amx
         spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
         # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
         self.threads = self.lib.ss_team_configure(threads or default_threads(), *(spin + [-1, -1])[:2])
@@ -258,12 +262,18 @@ class CpuTeamDecoder:
             return "the native runtime needs hidden and FFN sizes that are multiples of 32"
         return None
 
-    prefill_tokens = 64   # the most prompt tokens one step takes (see `forward`); longer chunks run eagerly
+    # the most prompt tokens one step takes (see `forward`); longer chunks run eagerly. On AMX machines the
+    # step's products of a 512-token chunk run on tiles: 334 ms against ~420-520 for the eager BLAS step
+    # (docs/BENCHMARKS.md), so whole prompt chunks come here (__init__)
+    prefill_tokens = 64
+    prefill_tokens_amx = 512
 
-    def _buffers(self, rows: int) -> _Buffers:
-        if self._bufs is None or self._bufs.rows < rows:
-            self._bufs = _Buffers(self, max(rows, 8))
-        return self._bufs
+    def _buffers(self, rows: int, out_rows: int) -> _Buffers:
+        b = self._bufs
+        if b is None or b.rows < rows or b.out_rows < out_rows:
+            b = _Buffers(self, max(rows, 8, b.rows if b else 0), max(out_rows, 8, b.out_rows if b else 0))
+            self._bufs = b
+        return b
 
     def _table(self, rows: int, n_out: int, argmax: bool) -> np.ndarray:
         key = (rows, n_out, argmax)
@@ -317,7 +327,7 @@ class CpuTeamDecoder:
             raise ValueError("the step's slices do not cover its rows")
         out_rows = step.logits_rows.to(torch.int64).contiguous()
         n_out = int(out_rows.numel())
-        st = self._buffers(max(B, n_out))
+        st = self._buffers(B, n_out)
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
         pos = step.positions.to(torch.float32)[:, None]

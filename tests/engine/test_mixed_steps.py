@@ -53,3 +53,30 @@ def test_speculation_keeps_separate_steps(llm):
     drain(e, [a, b])
     assert not calls
     assert_idle(e)
+
+
+def test_long_prompt_chunks_on_the_native_step_where_amx_multiplies(llm):
+    """On AMX machines the fast path takes whole prompt chunks (up to 512 tokens) on the native step, whose
+    products then run on tiles; elsewhere chunks of more than 64 tokens run eagerly. Either way a
+    300-token prompt gives the tokens it gives in chunks of 32 (rows are computed alike whatever shares
+    their step), and the step keeps logits for its output rows only."""
+    from slipstream.kernels.cpu import load_library
+    amx = bool(load_library().ss_amx_active())
+    prompt = (ids(llm, PROMPTS[0]) * 40)[:300]
+    e = engine(llm, prefill_chunk=512, exact=False)
+    seen = []
+    inner = e.executor.prefill_batches
+    e.executor.prefill_batches = lambda chunks: seen.append(inner(chunks)) or seen[-1]
+    r = Request(prompt, greedy(8, ignore_eos=True))
+    e.add_request(r)
+    drain(e, [r])
+    big = [b for batches in seen for b in batches if sum(end - s for _, s, end in b.chunks) > 64]
+    assert big and all(b.on_runtime == amx for b in big)
+    if amx:
+        assert e.runtime._bufs.logits.shape[0] <= 8      # not one row of logits per prompt token
+    small = engine(llm, prefill_chunk=32, exact=False)
+    r2 = Request(prompt, greedy(8, ignore_eos=True))
+    small.add_request(r2)
+    drain(small, [r2])
+    assert r.output_ids == r2.output_ids
+    assert_idle(e)
