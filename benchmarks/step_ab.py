@@ -10,6 +10,7 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --setting wait-prefetch --prefetch 0 65536    # prefetch while waiting
     python benchmarks/step_ab.py --prefill 64      # a 64-token prompt chunk on the native step instead
     python benchmarks/step_ab.py --batch 8 --setting amx --prefetch 0 1   # AMX tile products off / on
+    python benchmarks/step_ab.py --batch 8 --setting twin --prefetch 0 1  # paired kernels / twin and tiles
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prompt chunk of this many tokens (after --context) instead of a decode step")
-    ap.add_argument("--setting", choices=["prefetch", "wait-prefetch", "attn-prefetch", "amx"], default="prefetch",
+    ap.add_argument("--setting", choices=["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin"], default="prefetch",
                     help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
-                         "rows attention prefetches ahead (ss_set_attn_prefetch), or whether batched products run on AMX "
-                         "tiles (ss_set_amx: 0 or 1)")
+                         "rows attention prefetches ahead (ss_set_attn_prefetch), whether batched products run on AMX "
+                         "tiles (ss_set_amx: 0 or 1), or whether q4/q8 products run on the twin and tiles or on the "
+                         "paired kernels (ss_set_twin: 0 or 1)")
     args = ap.parse_args()
 
     from slipstream import LLM
@@ -66,13 +68,13 @@ def main() -> None:
         for v in values:
             if v is not None:
                 {"prefetch": lib.ss_set_prefetch, "wait-prefetch": lib.ss_set_wait_prefetch,
-                 "attn-prefetch": lib.ss_set_attn_prefetch, "amx": lib.ss_set_amx}[args.setting](v)
+                 "attn-prefetch": lib.ss_set_attn_prefetch, "amx": lib.ss_set_amx, "twin": lib.ss_set_twin}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
-        label = "default" if v is None else f"{args.setting} {v}" + ("" if args.setting == "amx" else " B")
+        label = "default" if v is None else f"{args.setting} {v}" + ("" if args.setting in ("amx", "twin") else " B")
         print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
               f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")
 

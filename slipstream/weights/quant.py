@@ -391,9 +391,9 @@ class Linear:
         half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
         m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
                   ptr(self.bias) if with_bias else None, kind, self.n, self.k, half)
-        if _amx_active():
-            # the AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a copy of the
-            # planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group
+        if _tile_planes():
+            # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a
+            # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group
             if getattr(self, "_tile_planes", None) is None:
                 self._tile_planes = (_tile_ordered(self.scale),
                                      None if self.min is None else _tile_ordered(self.min))
@@ -511,16 +511,16 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
     return out
 
 
-_AMX: list[bool] = []
+_TILE_PLANES: list[bool] = []
 
 
-def _amx_active() -> bool:
-    """Whether the native kernels run their fast q4/q8 products on AMX tiles (asked once)."""
-    if not _AMX:
+def _tile_planes() -> bool:
+    """Whether the native kernels read q4/q8 scales tile-ordered (AVX-512 VNNI and AMX builds; asked once)."""
+    if not _TILE_PLANES:
         from slipstream.kernels.cpu import load_library
         lib = load_library()
-        _AMX.append(bool(lib is not None and lib.ss_amx_active()))
-    return _AMX[0]
+        _TILE_PLANES.append(bool(lib is not None and lib.ss_tile_planes()))
+    return _TILE_PLANES[0]
 
 
 def _tile_ordered(plane: torch.Tensor) -> torch.Tensor:

@@ -112,36 +112,42 @@ def _amx(on: bool) -> bool:
     return bool(lib.ss_set_amx(int(on)))
 
 
-@pytest.mark.skipif(lib is None or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+TWIN = lib is not None and bool(lib.ss_tile_planes())   # an AVX-512 VNNI build: the twin (and tiles where AMX is)
+
+
+@pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
 @pytest.mark.parametrize("rows,k", [(2, 352), (4, 64), (8, 352), (8, 1536), (13, 96)])
 def test_amx_tiles_agree_with_the_vector_kernels(fmt: int, rows: int, k: int):
-    """The batched fast products on AMX tiles (kernels/cpu/amx.h) against the vector kernels they replace
-    and the reference: the same int32 group sums, so equal up to fp32 rounding. 88 weight rows are five
-    tiles of 16 and 8 rows left to the vector kernels; K of 64, 96, 352 and 1536 give fewer groups than
-    the tiles keep in flight, partial blocks of four groups and long rows."""
+    """The batched fast products on AMX tiles (kernels/cpu/amx.h) against their vector twin (bitwise: the
+    same int32 group sums, the same fp32 sequence), the paired kernels they replace (fp32 rounding apart)
+    and the reference. 88 weight rows are five tiles of 16 and 8 rows left to the twin; K of 64, 96, 352 and
+    1536 give fewer groups than the tiles keep in flight, partial blocks of four groups and long rows."""
     w = _random_packed(fmt, 88, k, seed=fmt + rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)) * 2
     try:
         tiles = _matmul(w, x, exact=False)
         _amx(False)
-        vector = _matmul(w, x, exact=False)
+        twin = _matmul(w, x, exact=False)
+        lib.ss_set_twin(0)
+        paired = _matmul(w, x, exact=False)
     finally:
+        lib.ss_set_twin(1)
         _amx(True)
-    scale = vector.abs().max().item()
-    assert not torch.equal(tiles, vector) or rows < 4   # the tiles did run (their rounding differs)
-    torch.testing.assert_close(tiles, vector, rtol=1e-5, atol=1e-5 * scale)
+    scale = paired.abs().max().item()
+    assert torch.equal(tiles, twin)
+    torch.testing.assert_close(tiles, paired, rtol=1e-5, atol=1e-5 * scale)
     torch.testing.assert_close(tiles, ref.product_q8(_parts(w), x), rtol=1e-4, atol=1e-4 * scale)
 
 
-@pytest.mark.skipif(lib is None or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+@pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
 @pytest.mark.parametrize("k", [64, 352, 1536])
 def test_amx_rows_are_the_same_alone_and_batched(fmt: int, k: int):
-    """On AMX machines a row's fast-path product is bitwise the same whatever shares its step: 8 rows go
-    on tiles, a row alone (and the 5 weight rows past the last block of 16) on their vector twin, which
-    follows the tiles' arithmetic exactly (kernels/cpu/amx.h). Speculative verification and prompt chunks
-    beside decode rows rely on it."""
+    """On AVX-512 VNNI machines a row's fast-path product is bitwise the same whatever shares its step: 8
+    rows go on AMX tiles where the CPU has them, a row alone (and the 5 weight rows past the last block of
+    16) on their vector twin, which follows the tiles' arithmetic exactly (kernels/cpu/amx.h); without AMX
+    every row runs on the twin. Speculative verification and prompt chunks beside decode rows rely on it."""
     w = _random_packed(fmt, 85, k, seed=fmt + k)
     x = torch.randn(8, k, generator=torch.Generator().manual_seed(k)) * 2
     together = _matmul(w, x, exact=False)

@@ -326,28 +326,34 @@ def _amx(on: bool) -> bool:
     return bool(load_library().ss_set_amx(int(on)))
 
 
-@pytest.mark.skipif(load_library() is None or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+@pytest.mark.skipif(load_library() is None or not load_library().ss_tile_planes(),
+                    reason="no 512-bit VNNI in this build (the twin's instructions)")
 @pytest.mark.parametrize("model_name", ["smollm2", "qwen2"])
 def test_amx_tiles_in_the_step_agree_with_the_vector_kernels(model_name, request):
-    """Eight decode rows on the fast path, the batched products on AMX tiles (amx.h) and then on the vector
-    kernels. Each product agrees to fp32 rounding (test_cpu_simd.py); a rounding difference that moves an
-    activation code by one step travels through the layers, so the step's logits are compared as the fast
-    path is with eager (within 3% of the norm; the vector kernels measure 0.8-1.5% here, the tiles 1.0-1.9%
-    on smollm2), and the greedy tokens agree. Bitwise the same with 1 and 2 threads.
-    The Qwen2-shaped model adds q/k/v biases, q8 O rows and q4 matrices with fp32 scales."""
+    """Eight decode rows on the fast path: on AMX tiles (where the CPU has them) with 2 and 1 threads, on
+    the tiles' vector twin alone, and on the paired kernels. Tiles and twin give bitwise the same logits
+    (amx.h). The paired kernels sum in another fp32 order; a rounding difference that moves an activation
+    code by one step travels through the layers, so they are compared as the fast path is with eager (within
+    3% of the norm; on smollm2 the paired kernels measure 0.8-1.5%, the tiles 1.0-1.9%), and the greedy
+    tokens agree. The Qwen2-shaped model adds q/k/v biases, q8 O rows and q4 matrices with fp32 scales."""
+    lib = load_library()
     model = request.getfixturevalue("smollm2") if model_name == "smollm2" else _packed_random("qwen2")
     prompts = [[1, 22, 33], [5, 6, 7, 8, 9, 10, 11], [42], [7, 7], [100, 200, 30, 40], [3], [9, 9, 9], [1, 2]]
     try:
         results = {}
-        for amx, threads in ((True, 2), (True, 1), (False, 2)):
+        for name, amx, twin, threads in (("tiles", True, True, 2), ("tiles1", True, True, 1),
+                                         ("twin", False, True, 2), ("paired", False, False, 2)):
             _amx(amx)
-            results[amx, threads] = _run(model, prompts, 3, exact=False, threads=threads)
+            lib.ss_set_twin(int(twin))
+            results[name] = _run(model, prompts, 3, exact=False, threads=threads)
     finally:
+        lib.ss_set_twin(1)
         _amx(True)
     agree = total = 0
-    for (eager, tiles), (_, tiles1), (_, vector) in zip(results[True, 2], results[True, 1], results[False, 2]):
-        assert torch.equal(tiles, tiles1)
+    for (eager, tiles), (_, tiles1), (_, twin), (_, paired) in zip(*(results[k] for k in ("tiles", "tiles1", "twin", "paired"))):
+        assert torch.equal(tiles, tiles1) and torch.equal(tiles, twin)
         assert ((tiles - eager).norm() / eager.norm()).item() < 0.03
-        agree += (tiles.argmax(-1) == vector.argmax(-1)).sum().item()
+        assert ((paired - eager).norm() / eager.norm()).item() < 0.03
+        agree += (tiles.argmax(-1) == paired.argmax(-1)).sum().item()
         total += len(prompts)
     assert agree >= total - 1, (agree, total)

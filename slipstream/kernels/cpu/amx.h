@@ -22,14 +22,20 @@
 
 #include "simd.h"
 
-#if defined(SS_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define SS_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+// SS_TWIN: the vector twin (and the scale reading it shares with the tiles) needs 512-bit VNNI; SS_AMX adds
+// the tiles. On an AVX-512 VNNI machine without AMX every fast q4/q8 product runs on the twin.
+#if defined(SS_AVX512) && defined(__AVX512VNNI__)
+#define SS_TWIN 1
 
-// activation rows from which the tiles beat the paired kernels (benchmarks/amx_kernels.c, in cache: q4 at 2
-// rows 0.68x, at 4 rows 1.22x; q8 at 2 rows 1.0x, at 4 rows 1.8x)
-#define AMX_MIN_ROWS_Q4 4
+static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the paired kernels instead
+__attribute__((constructor)) static void twin_default(void) {
+    const char *env = getenv("SLIPSTREAM_TWIN");
+    if (env && env[0] == '0') twin_usable = 0;
+}
+// activation rows from which the tiles beat the twin (batch steps in process, step_ab.py --setting amx: q4
+// tiles at 4 rows 1.125x the twin's step, at 6 rows 0.95x, at 8 rows 0.67x; q8 at 2 rows on a par in cache,
+// at 4 rows 1.7x faster)
+#define AMX_MIN_ROWS_Q4 6
 #define AMX_MIN_ROWS_Q8 2
 #ifndef AMX_PF_BLOCKS
 #define AMX_PF_BLOCKS 2   // blocks of 16 weight rows prefetched ahead
@@ -37,6 +43,88 @@
 #ifndef TWIN_PF_BLOCKS
 #define TWIN_PF_BLOCKS 1   // the same for the vector twin (step_ab.py, batch 1: 1 block 1.01x the paired kernels' step, 2 1.04x, 4 1.10x)
 #endif
+
+// The scales (and offsets) of rows n.. (live of them; the others read row n's or 0) for groups g4.. (ng of them;
+// the others 0), lanes = rows: sw[i][r] is row r's scale of group g4 + i. Q4_0 (no min plane, mn NULL on a q4
+// matrix): offsets -8 x scales; q8 (q4 = 0): none. st/mt: the planes as [N/16][G][16] (weights/quant.py builds
+// them on AMX machines; NULL: read the [N][G] planes, gathered)
+static const uint16_t twin_by_group[2][32] __attribute__((aligned(64))) = {   // lane l: row l % 16, group l / 16 (+2)
+    {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61},
+    {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63},
+};
+AI void twin_half4(const uint16_t *p, int G, float out[4][16]) {   // 16 rows x 4 fp16 values of a plane at p
+    // each row's 8 bytes copied through a general register (load and store ports only: the vector units
+    // are this kernel's bottleneck, and a gather of them cost a third of the batch-1 product)
+    _Alignas(64) uint64_t rows[16];
+    for (int r = 0; r < 16; r++) memcpy(&rows[r], p + (int64_t)r * G, 8);
+    const __m512i lo = _mm512_load_si512(rows), hi = _mm512_load_si512(rows + 8);
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_permutex2var_epi16(lo, _mm512_load_si512(twin_by_group[h]), hi);
+        _mm512_store_ps(out[2 * h], _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
+        _mm512_store_ps(out[2 * h + 1], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
+    }
+}
+AI void tile_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int q4, int G, int64_t n,
+                    int live, int g4, int ng, float sw[4][16], float mw[4][16]) {
+    if (st && (n & 15) == 0) {   // the planes' tile-ordered copy: a group's 16 rows side by side
+        const int64_t at = ((n >> 4) * G + g4) * 16;
+        for (int i = 0; i < 4; i++) {
+            __m512 v = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+            if (i < ng) {
+                v = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)st + at + 16 * i)))
+                         : _mm512_loadu_ps((const float *)st + at + 16 * i);
+                o = !q4 ? o : !mt ? _mm512_mul_ps(v, _mm512_set1_ps(-8.f))
+                  : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mt + at + 16 * i)))
+                         : _mm512_loadu_ps((const float *)mt + at + 16 * i);
+            }
+            _mm512_store_ps(sw[i], v), _mm512_store_ps(mw[i], o);
+        }
+        return;
+    }
+    if (live == 16 && ng == 4) {
+        const int64_t o = n * G + g4;
+        if (half) {
+            twin_half4((const uint16_t *)sc + o, G, sw);
+            if (q4 && mn) twin_half4((const uint16_t *)mn + o, G, mw);
+        } else {
+            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                    _mm512_set1_epi32(G));
+            for (int i = 0; i < 4; i++) {
+                _mm512_store_ps(sw[i], _mm512_i32gather_ps(rows, (const float *)sc + o + i, 4));
+                if (q4 && mn) _mm512_store_ps(mw[i], _mm512_i32gather_ps(rows, (const float *)mn + o + i, 4));
+            }
+        }
+        if (q4 && !mn)
+            for (int i = 0; i < 4; i++) _mm512_store_ps(mw[i], _mm512_mul_ps(_mm512_load_ps(sw[i]), _mm512_set1_ps(-8.f)));
+        return;
+    }
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < 16; r++) {
+            const int64_t e = (n + (r < live ? r : 0)) * G + g4 + i;
+            const float v = i >= ng ? 0.f : half ? _cvtsh_ss(((const uint16_t *)sc)[e]) : ((const float *)sc)[e];
+            sw[i][r] = v;
+            mw[i][r] = !q4 || i >= ng ? 0.f
+                     : mn ? (half ? _cvtsh_ss(((const uint16_t *)mn)[e]) : ((const float *)mn)[e]) : -8.f * v;
+        }
+}
+
+// the scales and mins of the 16 rows from n on, into L2: contiguous in either layout (the tile-ordered copy
+// when there is one, which is what the kernels then read)
+AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
+    const int64_t esz = half ? 2 : 4, at = n * G * esz;
+    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
+    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
+        __builtin_prefetch(s + at + o, 0, 2);
+        if (m) __builtin_prefetch(m + at + o, 0, 2);
+    }
+}
+
+#endif
+
+#if defined(SS_TWIN) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -134,81 +222,6 @@ AI void amx_epilogue(__m512 acc[8], const int32_t *c, const AmxAct *a, int g, co
         const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)), d);
         acc[j] = _mm512_fmadd_ps(v, _mm512_permutexvar_ps(pick, w), acc[j]);
         if (q4) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, o), s, acc[j]);
-    }
-}
-
-// The scales (and offsets) of rows n.. (live of them; the others read row n's or 0) for groups g4.. (ng of them;
-// the others 0), lanes = rows: sw[i][r] is row r's scale of group g4 + i. Q4_0 (no min plane, mn NULL on a q4
-// matrix): offsets -8 x scales; q8 (q4 = 0): none. st/mt: the planes as [N/16][G][16] (weights/quant.py builds
-// them on AMX machines; NULL: read the [N][G] planes, gathered)
-static const uint16_t twin_by_group[2][32] __attribute__((aligned(64))) = {   // lane l: row l % 16, group l / 16 (+2)
-    {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61},
-    {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63},
-};
-AI void twin_half4(const uint16_t *p, int G, float out[4][16]) {   // 16 rows x 4 fp16 values of a plane at p
-    // each row's 8 bytes copied through a general register (load and store ports only: the vector units
-    // are this kernel's bottleneck, and a gather of them cost a third of the batch-1 product)
-    _Alignas(64) uint64_t rows[16];
-    for (int r = 0; r < 16; r++) memcpy(&rows[r], p + (int64_t)r * G, 8);
-    const __m512i lo = _mm512_load_si512(rows), hi = _mm512_load_si512(rows + 8);
-    for (int h = 0; h < 2; h++) {
-        const __m512i v = _mm512_permutex2var_epi16(lo, _mm512_load_si512(twin_by_group[h]), hi);
-        _mm512_store_ps(out[2 * h], _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
-        _mm512_store_ps(out[2 * h + 1], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
-    }
-}
-AI void tile_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int q4, int G, int64_t n,
-                    int live, int g4, int ng, float sw[4][16], float mw[4][16]) {
-    if (st && (n & 15) == 0) {   // the planes' tile-ordered copy: a group's 16 rows side by side
-        const int64_t at = ((n >> 4) * G + g4) * 16;
-        for (int i = 0; i < 4; i++) {
-            __m512 v = _mm512_setzero_ps(), o = _mm512_setzero_ps();
-            if (i < ng) {
-                v = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)st + at + 16 * i)))
-                         : _mm512_loadu_ps((const float *)st + at + 16 * i);
-                o = !q4 ? o : !mt ? _mm512_mul_ps(v, _mm512_set1_ps(-8.f))
-                  : half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)mt + at + 16 * i)))
-                         : _mm512_loadu_ps((const float *)mt + at + 16 * i);
-            }
-            _mm512_store_ps(sw[i], v), _mm512_store_ps(mw[i], o);
-        }
-        return;
-    }
-    if (live == 16 && ng == 4) {
-        const int64_t o = n * G + g4;
-        if (half) {
-            twin_half4((const uint16_t *)sc + o, G, sw);
-            if (q4 && mn) twin_half4((const uint16_t *)mn + o, G, mw);
-        } else {
-            const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                    _mm512_set1_epi32(G));
-            for (int i = 0; i < 4; i++) {
-                _mm512_store_ps(sw[i], _mm512_i32gather_ps(rows, (const float *)sc + o + i, 4));
-                if (q4 && mn) _mm512_store_ps(mw[i], _mm512_i32gather_ps(rows, (const float *)mn + o + i, 4));
-            }
-        }
-        if (q4 && !mn)
-            for (int i = 0; i < 4; i++) _mm512_store_ps(mw[i], _mm512_mul_ps(_mm512_load_ps(sw[i]), _mm512_set1_ps(-8.f)));
-        return;
-    }
-    for (int i = 0; i < 4; i++)
-        for (int r = 0; r < 16; r++) {
-            const int64_t e = (n + (r < live ? r : 0)) * G + g4 + i;
-            const float v = i >= ng ? 0.f : half ? _cvtsh_ss(((const uint16_t *)sc)[e]) : ((const float *)sc)[e];
-            sw[i][r] = v;
-            mw[i][r] = !q4 || i >= ng ? 0.f
-                     : mn ? (half ? _cvtsh_ss(((const uint16_t *)mn)[e]) : ((const float *)mn)[e]) : -8.f * v;
-        }
-}
-
-// the scales and mins of the 16 rows from n on, into L2: contiguous in either layout (the tile-ordered copy
-// when there is one, which is what the kernels then read)
-AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
-    const int64_t esz = half ? 2 : 4, at = n * G * esz;
-    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
-    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
-        __builtin_prefetch(s + at + o, 0, 2);
-        if (m) __builtin_prefetch(m + at + o, 0, 2);
     }
 }
 
@@ -333,6 +346,9 @@ static void amx_rows(const void *wq, const void *sc, const void *mn, const void 
     else amx_rows_q8(wq, sc, st, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
 }
 
+#endif
+
+#if defined(SS_TWIN)
 // -- the tiles' twin on the vector units ---------------------------------------------------------------
 // Rows the tiles do not take (a step of one row, fewer rows than AMX_MIN_ROWS_*, a range's last rows short
 // of a block of 16) must give bitwise what the tiles would: a request's tokens may not depend on what

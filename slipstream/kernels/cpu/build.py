@@ -82,6 +82,8 @@ def load_library() -> ctypes.CDLL | None:
         "ss_set_prefetch": [i32],
         "ss_set_amx": [i32],
         "ss_amx_active": [],
+        "ss_tile_planes": [],
+        "ss_set_twin": [i32],
         "ss_set_wait_prefetch": [i32],
         "ss_set_attn_prefetch": [i32],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
@@ -95,6 +97,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_team_configure.restype = i32
     lib.ss_set_amx.restype = i32
     lib.ss_amx_active.restype = i32
+    lib.ss_tile_planes.restype = i32
+    lib.ss_set_twin.restype = i32
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p
     return lib

@@ -296,6 +296,29 @@ static SSAct act_rows(const SSAct *a, int64_t r, int K) {
 // Whether batched fast-path q4/q8 products run on AMX tiles (amx.h): 1 when this build and CPU have them and
 // Linux granted the tile state (SLIPSTREAM_AMX=0 turns them off). ss_set_amx(0 or 1) switches them (1 only
 // where they are usable) and returns the resulting state.
+// Whether the fast path's q4/q8 products run on the twin (and tiles) where this build has them: 1 by default;
+// ss_set_twin(0) (or SLIPSTREAM_TWIN=0 at load) puts them back on the paired kernels, tiles included, for
+// A/B measurements. Returns the resulting state (0 on builds without the twin).
+int ss_set_twin(int on) {
+#ifdef SS_TWIN
+    twin_usable = on != 0;
+    return twin_usable;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+// 1 where the fast path's q4/q8 products read the scales tile-ordered (amx.h's twin, and the tiles): the
+// loader then keeps that copy of the planes (weights/quant.py)
+int ss_tile_planes(void) {
+#ifdef SS_TWIN
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int ss_amx_active(void) {
 #ifdef SS_AMX
     return amx_on();
@@ -345,18 +368,20 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int half = m->kind != KIND_QT && m->qtype == QT_F16;   // q4/q8 with fp16 scales
     const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
     const int64_t row_bytes = m->kind == KIND_QT ? code_bytes : 0;
+#ifdef SS_TWIN
+    // On AVX-512 VNNI machines the fast path's q4/q8 products all follow one arithmetic (amx.h): on AMX tiles
+    // from AMX_MIN_ROWS_* rows on where the CPU has them, the rest on their vector twin, bitwise the same
+    const int twin = !exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && x->q && twin_usable;
 #ifdef SS_AMX
-    // On AMX machines the fast path's q4/q8 products all follow the tiles' arithmetic (amx.h): on tiles from
-    // AMX_MIN_ROWS_* rows on, the rest on their vector twin, bitwise the same
-    const int twin = !exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && x->q && amx_on();
-    const int tiles = twin && B >= (m->kind == KIND_Q4 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS_Q8);
+    const int tiles = twin && B >= (m->kind == KIND_Q4 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS_Q8) && amx_on();
+#endif
 #else
     const int twin = 0;
 #endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
-        // On AMX machines, every chunk against the whole range instead: a tile product unpacks its weights
-        // itself, and a chunk's B operand (amx_prep) is built once, not once per weight block (a 512-token
-        // prompt chunk: 446 -> 334 ms, step_ab.py --prefill 512)
+        // With the twin and tiles (amx.h), every chunk against the whole range instead: a tile product
+        // unpacks its weights itself, and a chunk's B operand (amx_prep) is built once, not once per weight
+        // block (a 512-token prompt chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
         const int wb = twin ? n1 - n0
                      : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
         for (int r0 = n0; r0 < n1; r0 += wb)
@@ -368,8 +393,9 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         return;
     }
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
-#ifdef SS_AMX
+#ifdef SS_TWIN
     if (twin) {
+#ifdef SS_AMX
         if (tiles && n1 - n0 >= 16) {   // whole blocks of 16 weight rows on tiles, the rest on the twin
             const int blocks = (n1 - n0) / 16;
             const AmxAct xa = amx_prep(x->q, x->d, x->s, K, B);
@@ -377,6 +403,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
                      m->bias, y, ystride, accumulate, pf_bytes > 0, m->n);
             n0 += 16 * blocks;
         }
+#endif
         if (n0 < n1 && m->kind == KIND_Q4)
             twin_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, half, K, n0, n1, x->q, x->d, x->s, B, m->bias, y,
                          ystride, accumulate, pf_bytes > 0, m->n);
