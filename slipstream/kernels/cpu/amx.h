@@ -1,22 +1,23 @@
-// Batched fast-path products on Intel AMX tiles (Sapphire Rapids and later): q4 and q8 matrices against
-// 2 to 8 activation rows, 16 weight rows at a time.
+// The fast path's q4 and q8 products on AVX-512 VNNI CPUs: one arithmetic, two kernels, bitwise alike.
 //
-// Why: at batch 8 the AVX-512 paired kernels are bound by their two vector ports (~26 multiply-adds
-// per cycle), so a batch-8 step costs ~2.2 batch-1 steps. One tile multiply (tdpbusd) does 16 weight
-// rows x 8 activation rows x 32 codes in ~16 cycles, and what is left is the per-group scaling.
-//
-// The layout stays the one every other kernel reads (simd.h: q4 rows of K/2 bytes, group g at bytes
-// 16g..16g+15, byte j = element j (low nibble) and j + 16 (high nibble)). Per group, the weights are the
-// tiles' A operand and the activations their B operand:
-//   A_lo = 16 rows x 16 low nibbles, A_hi = 16 rows x 16 high nibbles (unpacked four groups at a time:
-//          one 64-byte load per row), q8: A = 16 rows x 32 codes read in place (row stride K);
-//   B    = the activation codes of the group, four at a time across the 8 rows (VNNI order: row j of B
-//          holds codes 4j..4j+3 of every activation row), built once per call (amx_prep);
-//   C    = 16 x 8 exact int32 sums, scaled in fp32 as every fast kernel does:
-//          y[n][m] += sc[n][g] d[m][g] C[n][m] + mn[n][g] s[m][g].
-// A row's result therefore matches the paired AVX-512 kernel's to fp32 rounding (the int32 sums are the
-// same; the order of the fp32 additions is not), not bitwise: the batched fast path on AMX machines
-// depends on the batch by rounding. The exact path and batch 1 never come here.
+// The arithmetic: each group of 32 codes gets its exact int32 sum against the activation row's int8 codes,
+// then per output (weight row n, activation row m), group by group in order,
+//     acc = fma(float(sum) * d[m][g], sc[n][g], acc);  acc = fma(mn[n][g], s[m][g], acc)   (mn: q4 only)
+// The kernels:
+//   * AMX tiles (Sapphire Rapids and later), for 6+ (q4) or 2+ (q8) activation rows, 16 weight rows at a
+//     time. Why: at batch 8 the paired AVX-512 kernels are bound by their two vector ports (~26
+//     multiply-adds per cycle); one tile multiply does 16 weight rows x 8 activation rows x 32 codes in ~16
+//     cycles. Per group, the weights are the A operand (q4 rows unpacked to codes 0-15, four groups per
+//     64-byte load; q8 rows read in place), the activation codes the B operand (VNNI order: row j of B holds
+//     codes 4j..4j+3 of every activation row; amx_prep), C = 16 x 8 int32 sums, scaled by amx_epilogue.
+//   * The vector twin (twin_rows_*), for every other row (one row, fewer rows than the tiles take, rows past
+//     a range's last block of 16; every row on VNNI CPUs without AMX): 512-bit vpdpbusd over four groups of
+//     a row, the partial sums reduced and transposed so that lanes are weight rows, the same fp32 sequence.
+// So a row's result never depends on what shares its step (speculative verification, prompt chunks beside
+// decode rows), as with the paired kernels on other CPUs. The exact path never comes here. The weights keep
+// the layout every kernel reads (simd.h: q4 rows of K/2 bytes, group g at bytes 16g..16g+15, byte j =
+// element j (low nibble) and j + 16 (high nibble)); the scales are read from a tile-ordered copy of their
+// planes where the loader made one (tile_scales).
 #pragma once
 #include <stdlib.h>
 
@@ -32,8 +33,9 @@ __attribute__((constructor)) static void twin_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN");
     if (env && env[0] == '0') twin_usable = 0;
 }
+
 // activation rows from which the tiles beat the twin (batch steps in process, step_ab.py --setting amx: q4
-// tiles at 4 rows 1.125x the twin's step, at 6 rows 0.95x, at 8 rows 0.67x; q8 at 2 rows on a par in cache,
+// tiles at 4 rows 1.125x the twin's step, at 6 rows 0.95x, at 8 rows 0.81x; q8 in cache: at 2 rows on a par,
 // at 4 rows 1.7x faster)
 #define AMX_MIN_ROWS_Q4 6
 #define AMX_MIN_ROWS_Q8 2
@@ -41,13 +43,13 @@ __attribute__((constructor)) static void twin_default(void) {
 #define AMX_PF_BLOCKS 2   // blocks of 16 weight rows prefetched ahead
 #endif
 #ifndef TWIN_PF_BLOCKS
-#define TWIN_PF_BLOCKS 1   // the same for the vector twin (step_ab.py, batch 1: 1 block 1.01x the paired kernels' step, 2 1.04x, 4 1.10x)
+#define TWIN_PF_BLOCKS 1   // for the twin (step_ab.py, batch 1: 1 block 1.01x the paired kernels' step, 2 1.04x, 4 1.10x)
 #endif
 
 // The scales (and offsets) of rows n.. (live of them; the others read row n's or 0) for groups g4.. (ng of them;
 // the others 0), lanes = rows: sw[i][r] is row r's scale of group g4 + i. Q4_0 (no min plane, mn NULL on a q4
 // matrix): offsets -8 x scales; q8 (q4 = 0): none. st/mt: the planes as [N/16][G][16] (weights/quant.py builds
-// them on AMX machines; NULL: read the [N][G] planes, gathered)
+// them where ss_tile_planes says so; NULL: read the [N][G] planes, gathered)
 static const uint16_t twin_by_group[2][32] __attribute__((aligned(64))) = {   // lane l: row l % 16, group l / 16 (+2)
     {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61},
     {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63},
@@ -353,8 +355,8 @@ static void amx_rows(const void *wq, const void *sc, const void *mn, const void 
 // Rows the tiles do not take (a step of one row, fewer rows than AMX_MIN_ROWS_*, a range's last rows short
 // of a block of 16) must give bitwise what the tiles would: a request's tokens may not depend on what
 // shares its step (speculative verification rows, prompt chunks beside decode rows, batch 8 against
-// batch 1). So on AMX machines the fast path's other q4/q8 products follow the tiles' arithmetic exactly:
-// each group's int32 sum, then per output, group by group in order,
+// batch 1). So the fast path's other q4/q8 products follow the tiles' arithmetic exactly (and on VNNI CPUs
+// without AMX, all of them do): each group's int32 sum, then per output, group by group in order,
 //     acc = fma(float(sum) * d, sc, acc);  acc = fma(mn, s, acc)   (q4)
 // with lanes = 16 weight rows. The sums: vpdpbusd of 4 groups of a row at once (q4: low nibbles against
 // the groups' codes 0-15, high nibbles against 16-31; q8: codes + 128 as unsigned bytes, less 128 x the
