@@ -706,17 +706,26 @@ void ss_set_wait_prefetch(int bytes) { wait_pf_bytes = bytes > 0 ? bytes : 0; }
 void ss_set_attn_prefetch(int rows) { ss_attn_pf = rows > 1 ? rows : 1; }
 
 // prefetch rows [n0, n1) of m from row n0 on, at most `budget` bytes, while *ev < count; returns bytes issued
-static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count) {
+// (fast: the fast path's step, whose q4/q8 products on the twin and tiles read the tile-ordered copy of the
+// scale planes where there is one: the bytes of rows [n0, n1) there span the same offsets as in the planes)
+static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count,
+                             int fast) {
     while (n0 >= m->n && m->next) n0 -= m->n, n1 -= m->n, m = m->next;
     if (n1 > m->n) n1 = m->n;
     const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
+    const void *sc = m->scale, *mn = m->min;
+#ifdef SS_TWIN
+    if (fast && twin_usable && m->scale_t) sc = m->scale_t, mn = m->min_t;
+#else
+    (void)fast;
+#endif
     int64_t done = 0, since_check = 0;
     for (int n = n0; n < n1 && done < budget; n++) {
         const char *c = (const char *)m->q + (int64_t)n * code_bytes;
         for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
         if (scale_bytes) {
-            __builtin_prefetch((const char *)m->scale + (int64_t)n * scale_bytes, 0, 2);
-            if (m->min) __builtin_prefetch((const char *)m->min + (int64_t)n * scale_bytes, 0, 2);
+            __builtin_prefetch((const char *)sc + (int64_t)n * scale_bytes, 0, 2);
+            if (mn) __builtin_prefetch((const char *)mn + (int64_t)n * scale_bytes, 0, 2);
         }
         done += code_bytes + 2 * scale_bytes;
         since_check += code_bytes + 2 * scale_bytes;
@@ -728,18 +737,18 @@ static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _At
     return done;
 }
 
-static void prefetch_while_waiting(const SSModel *m, const SSTask *t, _Atomic int32_t *ev, int32_t count) {
+static void prefetch_while_waiting(const SSModel *m, const SSTask *t, _Atomic int32_t *ev, int32_t count, int fast) {
     const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
     const int64_t budget = wait_pf_bytes;
     switch (t->op) {
-    case OP_QKV: prefetch_rows(&L->qkv, t->t0 * m->head_dim, t->t1 * m->head_dim, budget, ev, count); break;
-    case OP_O: prefetch_rows(&L->o, t->t0, t->t1, budget, ev, count); break;
+    case OP_QKV: prefetch_rows(&L->qkv, t->t0 * m->head_dim, t->t1 * m->head_dim, budget, ev, count, fast); break;
+    case OP_O: prefetch_rows(&L->o, t->t0, t->t1, budget, ev, count, fast); break;
     case OP_GATE_UP:
-        if (prefetch_rows(&L->gate_up, t->t0, t->t1, budget / 2, ev, count) >= budget / 2)
-            prefetch_rows(&L->gate_up, m->ffn + t->t0, m->ffn + t->t1, budget / 2, ev, count);
+        if (prefetch_rows(&L->gate_up, t->t0, t->t1, budget / 2, ev, count, fast) >= budget / 2)
+            prefetch_rows(&L->gate_up, m->ffn + t->t0, m->ffn + t->t1, budget / 2, ev, count, fast);
         break;
-    case OP_DOWN: prefetch_rows(&L->down, t->t0, t->t1, budget, ev, count); break;
-    case OP_LM_HEAD: prefetch_rows(&m->lm_head, t->t0, t->t1, budget, ev, count); break;
+    case OP_DOWN: prefetch_rows(&L->down, t->t0, t->t1, budget, ev, count, fast); break;
+    case OP_LM_HEAD: prefetch_rows(&m->lm_head, t->t0, t->t1, budget, ev, count, fast); break;
     default: break;
     }
 }
@@ -954,7 +963,7 @@ static void work(uint32_t g) {
         if (t->wait_ev >= 0) {
             if (wait_pf_bytes && 
                 atomic_load_explicit(&T.events[t->wait_ev], memory_order_relaxed) < t->wait_count)
-                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count);
+                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count, !T.exact);
             wait_at_least(&T.events[t->wait_ev], t->wait_count);
         }
         const int64_t t1 = prof_on ? now_ns() : 0;
