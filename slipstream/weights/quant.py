@@ -21,6 +21,7 @@ reference dequantization bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -511,16 +512,12 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
     return out
 
 
-_TILE_PLANES: list[bool] = []
-
-
+@functools.lru_cache(maxsize=None)
 def _tile_planes() -> bool:
     """Whether the native kernels read q4/q8 scales tile-ordered (AVX-512 VNNI and AMX builds; asked once)."""
-    if not _TILE_PLANES:
-        from slipstream.kernels.cpu import load_library
-        lib = load_library()
-        _TILE_PLANES.append(bool(lib is not None and lib.ss_tile_planes()))
-    return _TILE_PLANES[0]
+    from slipstream.kernels.cpu import load_library
+    lib = load_library()
+    return bool(lib is not None and lib.ss_tile_planes())
 
 
 def _tile_ordered(plane: torch.Tensor) -> torch.Tensor:

@@ -102,23 +102,40 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
     }
     for (int i = 0; i < 4; i++)
         for (int r = 0; r < 16; r++) {
-            const int64_t e = (n + (r < live ? r : 0)) * G + g4 + i;
-            const float v = i >= ng ? 0.f : half ? _cvtsh_ss(((const uint16_t *)sc)[e]) : ((const float *)sc)[e];
+            const int64_t e = ((n + (r < live ? r : 0)) * G + g4 + i) * (half ? 2 : 4);   // byte offset
+            const float v = i >= ng ? 0.f : q4p_scale1((const char *)sc + e, half, 0);
             sw[i][r] = v;
-            mw[i][r] = !q4 || i >= ng ? 0.f
-                     : mn ? (half ? _cvtsh_ss(((const uint16_t *)mn)[e]) : ((const float *)mn)[e]) : -8.f * v;
+            mw[i][r] = !q4 || i >= ng ? 0.f : mn ? q4p_scale1((const char *)mn + e, half, 0) : -8.f * v;
         }
 }
 
-// the scales and mins of the 16 rows from n on, into L2: contiguous in either layout (the tile-ordered copy
-// when there is one, which is what the kernels then read)
-AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
+// Into L2, for the block of 16 rows from n (a later block than the one being multiplied): the codes of
+// groups g..g+3 and, with g = 0, the block's scales and mins (contiguous in either layout: the tile-ordered
+// copy when there is one, which is what the kernels then read)
+AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                           int q4, int G, int64_t row_bytes, int64_t n, int g) {
+    const uint8_t *nx = (const uint8_t *)wq + n * row_bytes + (q4 ? 16 : 32) * (int64_t)g;
+    for (int r = 0; r < 16; r++) {
+        __builtin_prefetch(nx + r * row_bytes, 0, 2);
+        if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
+    }
+    if (g) return;
     const int64_t esz = half ? 2 : 4, at = n * G * esz;
     const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
     for (int64_t o = 0; o < 16 * G * esz; o += 64) {
         __builtin_prefetch(s + at + o, 0, 2);
         if (m) __builtin_prefetch(m + at + o, 0, 2);
     }
+}
+
+// a thread's scratch of at least `need` bytes, 64-byte aligned, grown (never shrunk) on demand
+AI void *amx_scratch(void **buf, int64_t *cap, int64_t need) {
+    if (need > *cap) {
+        free(*buf);
+        *buf = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
+        *cap = need;
+    }
+    return *buf;
 }
 
 #endif
@@ -184,13 +201,8 @@ static __thread int64_t amx_cap;
 
 static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K, int nb) {
     const int G = K / 32;
-    const int64_t need = (int64_t)G * (256 + 128);
-    if (need > amx_cap) {
-        free(amx_buf);
-        amx_buf = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
-        amx_cap = need;
-    }
-    AmxAct a = {(int32_t *)amx_buf, (float *)((char *)amx_buf + (int64_t)G * 256), NULL};
+    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)G * (256 + 128));
+    AmxAct a = {(int32_t *)buf, (float *)(buf + (int64_t)G * 256), NULL};
     a.s = a.d + (int64_t)G * 16;
     const __mmask8 live = (__mmask8)((1u << nb) - 1);   // rows past nb read as zero
     const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K / 4));
@@ -278,14 +290,8 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
             const int i = g & 3;
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
-                if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all) {   // a later block's same 4 groups
-                    const uint8_t *nx = w + 16 * AMX_PF_BLOCKS * row_bytes + (q4 ? 16 : 32) * (int64_t)g;
-                    for (int r = 0; r < 16; r++) {
-                        __builtin_prefetch(nx + r * row_bytes, 0, 2);
-                        if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
-                    }
-                    if (g == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n + 16 * AMX_PF_BLOCKS);
-                }
+                if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
+                    amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g);
                 tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
                 if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((g >> 2) + 1) & 1]);
             }
@@ -374,13 +380,8 @@ static __thread int64_t twin_cap;
 
 static TwinAct twin_prep(const int8_t *xq, int K, int nb, int q4) {
     const int G = K / 32, C = (G + 3) / 4;
-    const int64_t need = (int64_t)nb * C * (128 + 16);
-    if (need > twin_cap) {
-        free(twin_buf);
-        twin_buf = aligned_alloc(64, (size_t)((need + 63) / 64 * 64));
-        twin_cap = need;
-    }
-    TwinAct t = {(int8_t *)twin_buf, (int32_t *)((char *)twin_buf + (int64_t)nb * C * 128)};
+    char *buf = amx_scratch(&twin_buf, &twin_cap, (int64_t)nb * C * (128 + 16));
+    TwinAct t = {(int8_t *)buf, (int32_t *)(buf + (int64_t)nb * C * 128)};
     const __m512i ones = _mm512_set1_epi8(1);
     for (int m = 0; m < nb; m++)
         for (int c = 0; c < C; c++) {   // four groups' 128 codes (fewer at the end: zeros)
@@ -431,14 +432,8 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
         for (int m = 0; m < nb; m++) acc[m] = _mm512_setzero_ps();
         for (int c = 0; c < C; c++) {
             const int g4 = 4 * c, ng = G - g4 < 4 ? G - g4 : 4;
-            if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all) {   // a later block's same 4 groups, as amx_rows_of
-                const uint8_t *nx = (const uint8_t *)wq + (n + 16 * TWIN_PF_BLOCKS) * row_bytes + (q4 ? 16 : 32) * (int64_t)g4;
-                for (int r = 0; r < 16; r++) {
-                    __builtin_prefetch(nx + r * row_bytes, 0, 2);
-                    if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
-                }
-                if (c == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n + 16 * TWIN_PF_BLOCKS);
-            }
+            if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all)
+                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, g4);
             tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
             const __mmask64 k = q4 ? (ng == 4 ? ~0ULL : (1ULL << (16 * ng)) - 1) : ~0ULL;
             for (int q = 0; q < 4; q++) {   // rows 4q..4q+3
