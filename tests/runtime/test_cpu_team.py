@@ -134,7 +134,8 @@ def test_results_do_not_depend_on_thread_count(smollm2):
 def test_long_contexts_are_split_and_merged(f16):
     """Contexts of 512 tokens and more are attended in parts (n // 256 of them, up to 8) that the team
     shares, merged in part order: the same logits as eager (exact path) and bitwise the same row
-    whatever the team's size and whatever other rows share the step."""
+    whatever the team's size and whatever other rows share the step (4 rows on 2 threads: each task takes
+    all of a row's KV heads, cpu_plan.attention_whole_rows; fewer rows: a task per KV head)."""
     model = _packed_random(None, 32)
     contexts = [1100, 600, 40, 2100]           # 4, 2, 1 and 8 parts
     kv = model.new_kv_cache(sum(-(-(c + 2) // 16) for c in contexts) + 4,
@@ -264,6 +265,23 @@ def test_plan_validator_checks_attention_tasks():
     dup[attn[1], cpu_plan.AUX] = dup[attn[0], cpu_plan.AUX]   # task 0 twice, task 1 never
     with pytest.raises(cpu_plan.CpuPlanError, match="tasks"):
         cpu_plan.validate(dup, shape, 1)
+
+
+def test_attention_tasks_take_whole_rows_when_rows_fill_the_team():
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    for rows, whole in ((1, False), (3, False), (4, True), (8, True)):
+        table = cpu_plan.build(shape, rows=rows, threads=2, argmax=True)
+        cpu_plan.validate(table, shape, rows)
+        heads = set(table[table[:, cpu_plan.OP] == cpu_plan.ATTN, cpu_plan.T1].tolist())
+        assert heads == ({cpu_plan.ALL_HEADS} if whole else {0, 1}), rows
+    attn = np.where(table[:, cpu_plan.OP] == cpu_plan.ATTN)[0]
+    twice = table.copy()
+    twice[attn[0], cpu_plan.T1] = 0   # row 0's KV head 0 also in a whole-row task: attended twice
+    with pytest.raises(cpu_plan.CpuPlanError):
+        cpu_plan.validate(twice, shape, 8)
+    missing = np.delete(table, attn[:1], axis=0)
+    with pytest.raises(cpu_plan.CpuPlanError):
+        cpu_plan.validate(missing, shape, 8)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])

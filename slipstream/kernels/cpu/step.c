@@ -545,16 +545,45 @@ static void attn_parts_reset(const SSModel *m, int rows) {
 static __thread float *tl_scores;
 static __thread int64_t tl_cap;
 
+// Row b's context slots in layer L (a sliding-window layer: its last `window`), *n of them
+static const int64_t *attention_slots(const SSStep *s, const SSLayer *L, int b, int64_t *n) {
+    const int64_t *sl = (L->local_slots ? s->read_slots_local : s->read_slots) + s->starts[b];
+    *n = s->starts[b + 1] - s->starts[b];
+    if (L->window > 0 && *n > L->window) {
+        sl += *n - L->window;
+        *n = L->window;
+    }
+    return sl;
+}
+
+static int attention_parts(int64_t n) {
+    return n / SPLIT_TOKENS > MAX_PARTS ? MAX_PARTS : n / SPLIT_TOKENS < 2 ? 1 : (int)(n / SPLIT_TOKENS);
+}
+
+// A task taking all of row b's KV heads, before it starts: the row's keys and values of every head into L2
+// (a slot's heads are contiguous: one run of bytes per slot), so the heads' passes find them there instead
+// of waiting on the cache's scattered slots a few rows ahead. Contexts in one part only (under 2 *
+// SPLIT_TOKENS: what L2 holds beside the weights); the first task of the row issues them.
+static void attention_prefetch_row(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int aux) {
+    int64_t n;
+    const int64_t *sl = attention_slots(s, L, b, &n);
+    if ((aux & 0xff) != 0 || attention_parts(n) != 1) return;
+    const int64_t row = (int64_t)m->kv_heads * m->head_dim * (L->kv_f16 ? 2 : 4);
+    for (int64_t i = 0; i < n; i++) {
+        const char *k = (const char *)L->kcache + sl[i] * row, *v = (const char *)L->vcache + sl[i] * row;
+        for (int64_t o = 0; o < row; o += 64) {
+            __builtin_prefetch(k + o, 0, 2);   // into L2
+            __builtin_prefetch(v + o, 0, 2);
+        }
+    }
+}
+
 static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int kvh, int aux, int exact) {
     const int H = m->heads, KVH = m->kv_heads, D = m->head_dim, group = H / KVH;
     const int task = aux & 0xff, tasks = aux >> 8 > 1 ? aux >> 8 : 1;
-    int64_t n = s->starts[b + 1] - s->starts[b];
-    const int64_t *sl = (L->local_slots ? s->read_slots_local : s->read_slots) + s->starts[b];
-    if (L->window > 0 && n > L->window) {   // a sliding-window layer: the row's last `window` positions
-        sl += n - L->window;
-        n = L->window;
-    }
-    const int parts = n / SPLIT_TOKENS > MAX_PARTS ? MAX_PARTS : n / SPLIT_TOKENS < 2 ? 1 : (int)(n / SPLIT_TOKENS);
+    int64_t n;
+    const int64_t *sl = attention_slots(s, L, b, &n);
+    const int parts = attention_parts(n);
     if (parts == 1 && task > 0) return;
     const int64_t longest = (n + parts - 1) / parts;
     if (longest * group > tl_cap) {
@@ -812,7 +841,12 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         break;
     }
     case OP_ATTN:
-        attention(m, s, L, t->t0, t->t1, t->aux, exact);
+        if (t->t1 >= 0) {
+            attention(m, s, L, t->t0, t->t1, t->aux, exact);
+            break;
+        }
+        attention_prefetch_row(m, s, L, t->t0, t->aux);   // all of the row's KV heads (cpu_plan.ALL_HEADS)
+        for (int kvh = 0; kvh < KVH; kvh++) attention(m, s, L, t->t0, kvh, t->aux, exact);
         break;
     case OP_PREP:
         prepare(&s->attn, t->t0, H * D, 0, H * D, exact);
