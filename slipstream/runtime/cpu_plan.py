@@ -27,8 +27,7 @@ OP_NAMES = ("EMBED", "NORM", "QKV", "ATTN", "PREP", "O_PROJ", "GATE_UP", "DOWN",
             "ROUTE", "EXPERT_GU", "SHARED_GU", "MOE_DOWN")
 POST_ATTN, POST_FFN = 0, 1
 NORM_ATTN, NORM_FFN, NORM_FINAL = 0, 1, 2
-TILE_BYTES = 256 * 1024
-TASKS_PER_THREAD = 4
+TASKS_PER_THREAD = 1   # per product operator and thread (see _tiles)
 MAX_ATTN_PARTS = 8   # step.c's MAX_PARTS
 ATTN_SPLIT_ROWS = 8
 NORM_ROWS = 8        # rows per RMSNorm task (a prompt chunk's rows are normalised in parallel)
@@ -47,8 +46,6 @@ class MoeShape:
     topk: int
     ffn: int                   # each expert's intermediate size
     shared_ffn: int            # the shared expert's (0: none)
-    expert_bytes: float        # bytes per weight of the experts' matrices
-    shared_bytes: float = 1.0  # of the shared expert's
 
 
 @dataclass(frozen=True)
@@ -61,18 +58,18 @@ class Shape:
     head_dim: int
     ffn: int
     vocab: int
-    bytes_per_weight: dict[str, float]   # qkv, o, gate_up, down, lm_head -> bytes per weight
     post_norms: bool = False             # Gemma: O and DOWN write a buffer that POST normalises into x
     moe: MoeShape | None = None          # the MoE layers' FFN
     moe_layers: tuple[int, ...] = ()     # which layers have it (the others: the dense GATE_UP / DOWN)
 
 
-def _tiles(n: int, unit: int, row_bytes: float, threads: int) -> list[tuple[int, int]]:
-    """[t0, t1) ranges over n rows in multiples of `unit`: at least TASKS_PER_THREAD per thread, at most
-    TILE_BYTES of weights each (as far as units allow)."""
+def _tiles(n: int, unit: int, threads: int) -> list[tuple[int, int]]:
+    """[t0, t1) ranges over n rows in multiples of `unit`, TASKS_PER_THREAD per thread (as far as units
+    allow). One long range per thread keeps each thread's weights one stream: against 4 per thread and at
+    most 256 KB each (the first plan's choice), in process on the Xeon: batch-1 step 0.89x, batch 4 0.91x,
+    batch 8 0.91x (docs/BENCHMARKS.md). A task that waits prefetches its first rows meanwhile."""
     units = -(-n // unit)
-    want = max(threads * TASKS_PER_THREAD if threads > 1 else 1, int(-(-n * row_bytes // TILE_BYTES)))
-    count = max(1, min(units, want))
+    count = max(1, min(units, threads * TASKS_PER_THREAD if threads > 1 else 1))
     per = -(-units // count)
     return [(a * unit, min(n, (a + per) * unit)) for a in range(0, units, per)]
 
@@ -122,18 +119,17 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
             tasks.append((code, layer, t0, t1, prev[0], prev[1], ev, aux))
         prev = (ev, len(items))
 
-    bpw = s.bytes_per_weight
     qkv_heads = s.heads + 2 * s.kv_heads
     op(EMBED, -1, [(b, b + 1) for b in range(rows)])
     for layer in range(s.num_layers):
         op(NORM, layer, _row_blocks(rows), NORM_ATTN)
-        op(QKV, layer, _tiles(qkv_heads, 1, s.head_dim * s.hidden * bpw["qkv"], threads))
+        op(QKV, layer, _tiles(qkv_heads, 1, threads))
         parts = attention_parts(rows, s.kv_heads, threads)
         heads = [ALL_HEADS] if attention_whole_rows(rows, threads) else list(range(s.kv_heads))
         group(layer, [(ATTN, b, g, part | parts << 8) for b in range(rows) for g in heads for part in range(parts)])
         if s.head_dim % 32:
             op(PREP, layer, [(b, b + 1) for b in range(rows)])
-        op(O_PROJ, layer, _tiles(s.hidden, ROW_UNIT, s.heads * s.head_dim * bpw["o"], threads))
+        op(O_PROJ, layer, _tiles(s.hidden, ROW_UNIT, threads))
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_ATTN)
         op(NORM, layer, _row_blocks(rows), NORM_FFN)
@@ -141,23 +137,22 @@ def build(shape: Shape, rows: int, threads: int, argmax: bool, out_rows: int | N
             e = s.moe
             slots = expert_slots(e, rows)
             op(ROUTE, layer, [(0, rows)])
-            per_slot = _tiles(e.ffn, 32, 2 * s.hidden * e.expert_bytes, -(-threads // slots))
+            per_slot = _tiles(e.ffn, 32, -(-threads // slots))
             items = [(EXPERT_GU, t0, t1, a) for a in range(slots) for t0, t1 in per_slot]
             if e.shared_ffn:
                 items += [(SHARED_GU, t0, t1, 0)
-                          for t0, t1 in _tiles(e.shared_ffn, 32, 2 * s.hidden * e.shared_bytes, threads)]
+                          for t0, t1 in _tiles(e.shared_ffn, 32, threads)]
             group(layer, items)
-            down_bytes = slots * e.ffn * e.expert_bytes + e.shared_ffn * e.shared_bytes
-            op(MOE_DOWN, layer, _tiles(s.hidden, ROW_UNIT, down_bytes, threads))
+            op(MOE_DOWN, layer, _tiles(s.hidden, ROW_UNIT, threads))
         else:
-            op(GATE_UP, layer, _tiles(s.ffn, 32, 2 * s.hidden * bpw["gate_up"], threads))
-            op(DOWN, layer, _tiles(s.hidden, ROW_UNIT, s.ffn * bpw["down"], threads))
+            op(GATE_UP, layer, _tiles(s.ffn, 32, threads))
+            op(DOWN, layer, _tiles(s.hidden, ROW_UNIT, threads))
         if s.post_norms:
             op(POST, layer, _row_blocks(rows), POST_FFN)
     if n_out == 0:   # a prompt chunk that is not a prompt's end: no logits wanted
         return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))
     op(NORM, -1, _row_blocks(n_out), NORM_FINAL)
-    op(LM_HEAD, -1, _tiles(s.vocab, ROW_UNIT, s.hidden * bpw["lm_head"], threads))
+    op(LM_HEAD, -1, _tiles(s.vocab, ROW_UNIT, threads))
     if argmax:
         op(ARGMAX, -1, [(b, b + 1) for b in range(n_out)])
     return np.asarray(tasks, dtype=np.int32).reshape(-1, len(COLUMNS))

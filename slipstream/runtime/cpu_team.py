@@ -31,7 +31,6 @@ from slipstream.kv.blocks import HybridKVCache
 from slipstream.runtime import cpu_plan
 from slipstream.runtime.cpu_load import NeighbourLoad, team_size
 from slipstream.weights.moe import MoeLayer
-from slipstream.weights.quant import Linear
 
 # the KV cache's element types the step reads and writes: fp32, or fp16 (K and V rounded to half precision
 # when stored, widened in registers when attention reads them: half the bytes attention streams)
@@ -40,10 +39,6 @@ KV_DTYPES = (torch.float32, torch.float16)
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _bytes_per_weight(w: Linear) -> float:
-    return w.nbytes / (w.n * w.k)
 
 
 def default_threads() -> int:
@@ -167,19 +162,13 @@ class CpuTeamDecoder:
         layers = model.layers
         lm = model.lm_head
         moe_layers = tuple(i for i, L in enumerate(layers) if isinstance(L, MoeLayer))
-        dense = next((L for L in layers if not isinstance(L, MoeLayer)), None)
         moe = None
         if moe_layers:
-            L0 = layers[moe_layers[0]]
             moe = cpu_plan.MoeShape(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                                    c.shared_expert_intermediate_size or 0, _bytes_per_weight(L0.experts_gate_up[0]),
-                                    _bytes_per_weight(L0.shared_gate_up) if L0.shared_gate_up is not None else 1.0)
-        bpw = {n: _bytes_per_weight(getattr(layers[0], n)) for n in ("qkv", "o")}
-        bpw |= {n: _bytes_per_weight(getattr(dense, n)) if dense is not None else 1.0 for n in ("gate_up", "down")}
+                                    c.shared_expert_intermediate_size or 0)
         self.shape = cpu_plan.Shape(
             c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size or 32,
-            c.vocab_size, bpw | {"lm_head": _bytes_per_weight(lm)}, post_norms=layers[0].post_attn_norm is not None,
-            moe=moe, moe_layers=moe_layers)
+            c.vocab_size, post_norms=layers[0].post_attn_norm is not None, moe=moe, moe_layers=moe_layers)
         self._moe = [self._moe_struct(L) if isinstance(L, MoeLayer) else None for L in layers]
         # the C side keeps raw pointers: these objects keep what they point to alive
         self._layers = (SSLayer * c.num_layers)(*[

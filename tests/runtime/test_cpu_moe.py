@@ -77,8 +77,8 @@ def test_native_moe_batch_matches_eager(pair):
 
 
 def test_moe_plans_validate():
-    moe = cpu_plan.MoeShape(experts=8, topk=2, ffn=64, shared_ffn=32, expert_bytes=1.0)
-    shape = cpu_plan.Shape(3, 64, 4, 2, 16, 96, 96, dict(qkv=1.0, o=1.0, gate_up=1.0, down=1.0, lm_head=1.0),
+    moe = cpu_plan.MoeShape(experts=8, topk=2, ffn=64, shared_ffn=32)
+    shape = cpu_plan.Shape(3, 64, 4, 2, 16, 96, 96,
                            moe=moe, moe_layers=(0, 2))
     for rows in (1, 3, 9):
         for threads in (1, 2, 8):

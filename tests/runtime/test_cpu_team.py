@@ -239,7 +239,7 @@ def test_prompt_chunk_tokens_only_picks_the_chunks_last_row(smollm2):
 
 
 def test_plan_validator_rejects_broken_tables():
-    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256)
     table = cpu_plan.build(shape, rows=2, threads=2, argmax=True)
     cpu_plan.validate(table, shape, 2)
     late = table.copy()
@@ -257,7 +257,7 @@ def test_plan_validator_rejects_broken_tables():
 
 
 def test_plan_validator_checks_attention_tasks():
-    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256)
     table = cpu_plan.build(shape, rows=1, threads=2, argmax=True)
     attn = np.where(table[:, cpu_plan.OP] == cpu_plan.ATTN)[0]
     assert {t >> 8 for t in table[attn, cpu_plan.AUX]} == {cpu_plan.attention_parts(1, 2, 2)} == {2}
@@ -268,7 +268,7 @@ def test_plan_validator_checks_attention_tasks():
 
 
 def test_attention_tasks_take_whole_rows_when_rows_fill_the_team():
-    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256, dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.6))
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256)
     for rows, whole in ((1, False), (3, False), (4, True), (8, True)):
         table = cpu_plan.build(shape, rows=rows, threads=2, argmax=True)
         cpu_plan.validate(table, shape, rows)
@@ -287,8 +287,7 @@ def test_attention_tasks_take_whole_rows_when_rows_fill_the_team():
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_plans_validate_for_many_shapes(threads):
     for rows in (1, 3, 8, 17):
-        shape = cpu_plan.Shape(3, 576, 9, 3, 64, 1536, 49152,
-                               dict.fromkeys(("qkv", "o", "gate_up", "down", "lm_head"), 0.75))
+        shape = cpu_plan.Shape(3, 576, 9, 3, 64, 1536, 49152)
         cpu_plan.validate(cpu_plan.build(shape, rows, threads, argmax=rows % 2 == 1), shape, rows)
         for out in (0, 1, rows // 2):   # prompt chunks: logits of some rows, or none
             table = cpu_plan.build(shape, rows, threads, argmax=True, out_rows=out)
