@@ -32,8 +32,6 @@ int main(void) {
     if (!amx_on()) { puts("the kernel refused the tile state (arch_prctl)"); return 1; }
     static uint8_t w4[N * K / 2];
     static int8_t w8[N * K];
-    static uint8_t t4[N * K / 2];   // the codes as the tiles read them (weights/quant.py's _tile_coded)
-    static int8_t t8[N * K];
     static uint16_t sc[N * G], mn[N * G], st[N * G], mt[N * G];   // st, mt: the planes tile-ordered [N/16][G][16]
     static float x[8][K], xd[8][G], xs[8][G], xe[8][4 * G], ya[8 * N], yb[8 * N], yt[8 * N];
     static int8_t xq[8][K], xp[8][K];
@@ -42,14 +40,6 @@ int main(void) {
     for (int i = 0; i < N * G; i++) sc[i] = ss_f32_to_half(0.01f + 0.02f * (frand() + 1)), mn[i] = ss_f32_to_half(-0.1f * (frand() + 1));
     for (int n = 0; n < N; n++)
         for (int g = 0; g < G; g++) st[((n / 16) * G + g) * 16 + n % 16] = sc[n * G + g], mt[((n / 16) * G + g) * 16 + n % 16] = mn[n * G + g];
-    for (int n = 0; n < N; n++)   // block n / 16, group g: q4 [j 0..3][row][4 bytes], q8 [j 0..7][row][4 codes]
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < 8; j++)
-                for (int t = 0; t < 4; t++) {
-                    const int64_t blk = (int64_t)(n / 16) * 16;
-                    if (j < 4) t4[blk * K / 2 + g * 256 + (j * 16 + n % 16) * 4 + t] = w4[(int64_t)n * K / 2 + 16 * g + 4 * j + t];
-                    t8[blk * K + g * 512 + (j * 16 + n % 16) * 4 + t] = w8[(int64_t)n * K + 32 * g + 4 * j + t];
-                }
     for (int m = 0; m < 8; m++) {
         for (int k = 0; k < K; k++) x[m][k] = frand();
         ss_quantize_row(x[m], K, xq[m], xd[m], xs[m]);
@@ -57,16 +47,12 @@ int main(void) {
     }
     for (int q4 = 1; q4 >= 0; q4--)
         for (int nb = 1; nb <= 8; nb *= 2) {
-            if (nb == 1) continue;   // the tiles take 2 rows and more
             double best_a = 1e9, best_p = 1e9, best_t = 1e9;
-            // each kernel's passes in a row: one's matrix does not evict the other's between passes
             for (int p = 0; p < PASSES; p++) {
                 double t0 = now();
-                if (q4) amx_rows_q4(t4, sc, mn, st, mt, 1, K, 0, N / 16, &xq[0][0], &xd[0][0], &xs[0][0], nb, NULL, ya, N, 0, 1, N);
-                else amx_rows_q8(t8, sc, st, 1, K, 0, N / 16, &xq[0][0], &xd[0][0], nb, NULL, ya, N, 0, 1, N);
-                if (now() - t0 < best_a) best_a = now() - t0;
-            }
-            for (int p = 0; p < PASSES; p++) {
+                const AmxAct a = amx_prep(&xq[0][0], &xd[0][0], &xs[0][0], K, nb);
+                amx_rows(q4 ? (const void *)w4 : (const void *)w8, sc, q4 ? mn : NULL, st, q4 ? mt : NULL, 1, q4, K, 0, N / 16, &a, nb,
+                         NULL, ya, N, 0, 1, N);
                 double t1 = now();
                 for (int n = 0; n < N; n++) {
                     float out[MAX_ROWS];
@@ -75,13 +61,13 @@ int main(void) {
                     SS_BY_ROWS(nb, ROW)
                     for (int m = 0; m < nb; m++) yb[m * N + n] = out[m];
                 }
-                if (now() - t1 < best_p) best_p = now() - t1;
-            }
-            for (int p = 0; p < PASSES; p++) {
                 double t2 = now();
                 if (q4) twin_rows_q4(w4, sc, mn, st, mt, 1, K, 0, N, &xq[0][0], &xd[0][0], &xs[0][0], nb, NULL, yt, N, 0, 1, N);
                 else twin_rows_q8(w8, sc, st, 1, K, 0, N, &xq[0][0], &xd[0][0], nb, NULL, yt, N, 0, 1, N);
-                if (now() - t2 < best_t) best_t = now() - t2;
+                double t3 = now();
+                if (t1 - t0 < best_a) best_a = t1 - t0;
+                if (t2 - t1 < best_p) best_p = t2 - t1;
+                if (t3 - t2 < best_t) best_t = t3 - t2;
             }
             double worst = 0;
             for (int m = 0; m < nb; m++)

@@ -41,7 +41,7 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-FIELDS = ("data", "scale", "min", "bias", "scale_t", "min_t", "codes_t")
+FIELDS = ("data", "scale", "min", "bias")
 
 
 def _movable(t: torch.Tensor | None, mapped: tuple[int, int] | None) -> bool:
@@ -61,7 +61,6 @@ def move_to_huge_pages(weights: dict[str, Any], mapped: tuple[int, int] | None =
     moves: list[tuple[Linear, str, torch.Tensor]] = []
     total = 0
     for lin in weight_linears(weights):
-        lin.tile_copies()   # the kernels' own copies (where this machine's kernels read them) go along
         for name in FIELDS:
             t = getattr(lin, name)
             if _movable(t, mapped):

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import threading
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import ctypes
@@ -99,10 +99,6 @@ class Linear:
                                         # scales: None (its offsets are -8 x the scales, see `mins`)
     bias: torch.Tensor | None = None
     parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
-    # copies in the order of the AVX-512 VNNI / AMX kernels (tile_copies; None: not built, or not wanted)
-    scale_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    min_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    codes_t: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def packed(self) -> bool:
@@ -396,23 +392,14 @@ class Linear:
         half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
         m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
                   ptr(self.bias) if with_bias else None, kind, self.n, self.k, half)
-        self.tile_copies()
-        m.scale_t, m.min_t, m.codes_t = ptr(self.scale_t), ptr(self.min_t), ptr(self.codes_t)
+        if _tile_planes():
+            # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a
+            # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group
+            if getattr(self, "_tile_planes", None) is None:
+                self._tile_planes = (_tile_ordered(self.scale),
+                                     None if self.min is None else _tile_ordered(self.min))
+            m.scale_t, m.min_t = self._tile_planes[0].data_ptr(), ptr(self._tile_planes[1])
         return m
-
-    def tile_copies(self) -> None:
-        """Build the copies the AVX-512 VNNI and AMX kernels (kernels/cpu/amx.h) read, where this machine's
-        kernels want them (once; loading builds them before moving the weights to huge pages):
-        `scale_t`/`min_t`, the scale (and min) planes tile-ordered: a group's scales for 16 rows at a time
-        save a gather per group (1/4 of the codes' bytes for Q4_1); `codes_t` (AMX machines): the codes of
-        whole blocks of 16 rows in the tiles' order (as many bytes again as the codes)."""
-        if not self.packed or self.blocks or self.parts or self.scale is None:
-            return
-        if _tile_planes() and self.scale_t is None:
-            self.scale_t = _tile_ordered(self.scale)
-            self.min_t = None if self.min is None else _tile_ordered(self.min)
-        if _tile_codes_wanted() and self.codes_t is None and self.n >= 16 and self.k % 32 == 0:
-            self.codes_t = _tile_coded(self.data, self.fmt != Q8_0)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
@@ -531,24 +518,6 @@ def _tile_planes() -> bool:
     from slipstream.kernels.cpu import load_library
     lib = load_library()
     return bool(lib is not None and lib.ss_tile_planes())
-
-
-@functools.lru_cache(maxsize=None)
-def _tile_codes_wanted() -> bool:
-    """Whether the native kernels multiply batches on AMX tiles, from a copy of the codes in tile order."""
-    from slipstream.kernels.cpu import load_library
-    lib = load_library()
-    return bool(lib is not None and lib.ss_amx_active())
-
-
-def _tile_coded(codes: torch.Tensor, q4: bool) -> torch.Tensor:
-    """The codes of a q4 [N][K/2] or q8 [N][K] matrix's whole blocks of 16 rows as the AMX tiles read them
-    (kernels/cpu/amx.h): per block and group of 32, q8: [quad j 0..7][row 0..15][4 codes] (the B operand in
-    VNNI order); q4: [j 0..3][row][the row's bytes 4j..4j+3 of the group] (low nibbles quad j, high quad 4 + j)."""
-    n = codes.shape[0] // 16 * 16
-    quads = 4 if q4 else 8
-    blocks = codes[:n].reshape(n // 16, 16, -1, quads, 4)   # [block][row][group][quad][4 bytes]
-    return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
 def _tile_ordered(plane: torch.Tensor) -> torch.Tensor:

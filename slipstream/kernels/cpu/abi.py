@@ -19,8 +19,7 @@ class SSMat(ctypes.Structure):
 
 
 SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
-                  ("qtype", _I), ("next", ctypes.POINTER(SSMat)), ("scale_t", _P), ("min_t", _P),
-                  ("codes_t", _P)]
+                  ("qtype", _I), ("next", ctypes.POINTER(SSMat)), ("scale_t", _P), ("min_t", _P)]
 
 
 class SSMoe(ctypes.Structure):

@@ -6,19 +6,18 @@
 // The kernels:
 //   * AMX tiles (Sapphire Rapids and later), for 6+ (q4) or 2+ (q8) activation rows, 16 weight rows at a
 //     time. Why: at batch 8 the paired AVX-512 kernels are bound by their two vector ports (~26
-//     multiply-adds per cycle); one tile multiply does 8 activation rows x 16 weight rows x 32 codes. Per
-//     group, the activation rows' codes are the A operand (read in place), the weights' codes the B operand
-//     (VNNI order, from a copy of the codes made in that order at load: q4 unpacked to codes 0-15 by a mask
-//     and a shift, q8 read in place), C = the rows x 16 int32 sums: lanes are weight rows, so the scaling is
-//     four vector instructions per row and group, with no shuffles.
+//     multiply-adds per cycle); one tile multiply does 16 weight rows x 8 activation rows x 32 codes in ~16
+//     cycles. Per group, the weights are the A operand (q4 rows unpacked to codes 0-15, four groups per
+//     64-byte load; q8 rows read in place), the activation codes the B operand (VNNI order: row j of B holds
+//     codes 4j..4j+3 of every activation row; amx_prep), C = 16 x 8 int32 sums, scaled by amx_epilogue.
 //   * The vector twin (twin_rows_*), for every other row (one row, fewer rows than the tiles take, rows past
 //     a range's last block of 16; every row on VNNI CPUs without AMX): 512-bit vpdpbusd over four groups of
 //     a row, the partial sums reduced and transposed so that lanes are weight rows, the same fp32 sequence.
 // So a row's result never depends on what shares its step (speculative verification, prompt chunks beside
-// decode rows), as with the paired kernels on other CPUs. The exact path never comes here. The twin reads
+// decode rows), as with the paired kernels on other CPUs. The exact path never comes here. The weights keep
 // the layout every kernel reads (simd.h: q4 rows of K/2 bytes, group g at bytes 16g..16g+15, byte j =
-// element j (low nibble) and j + 16 (high nibble)); the tiles their copy of the codes (AMX_GROUP_BYTES);
-// both read the scales from a tile-ordered copy of their planes where the loader made one (tile_scales).
+// element j (low nibble) and j + 16 (high nibble)); the scales are read from a tile-ordered copy of their
+// planes where the loader made one (tile_scales).
 #pragma once
 #include <stdlib.h>
 
@@ -110,16 +109,6 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
         }
 }
 
-// Into L2: the scales (and mins) of the block of 16 rows from n, in the layout the kernels read
-AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
-    const int64_t esz = half ? 2 : 4, at = n * G * esz;
-    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
-    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
-        __builtin_prefetch(s + at + o, 0, 2);
-        if (m) __builtin_prefetch(m + at + o, 0, 2);
-    }
-}
-
 // Into L2, for the block of 16 rows from n (a later block than the one being multiplied): the codes of
 // groups g..g+3 and, with g = 0, the block's scales and mins (contiguous in either layout: the tile-ordered
 // copy when there is one, which is what the kernels then read)
@@ -130,7 +119,13 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
         __builtin_prefetch(nx + r * row_bytes, 0, 2);
         if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
     }
-    if (g == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n);
+    if (g) return;
+    const int64_t esz = half ? 2 : 4, at = n * G * esz;
+    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
+    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
+        __builtin_prefetch(s + at + o, 0, 2);
+        if (m) __builtin_prefetch(m + at + o, 0, 2);
+    }
 }
 
 // a thread's scratch of at least `need` bytes, 64-byte aligned, grown (never shrunk) on demand
@@ -157,7 +152,7 @@ typedef struct {
 } __attribute__((packed, aligned(64))) SSTileCfg;
 
 // tile registers (macros: the intrinsics paste their number into the instruction): four sums in flight,
-// two activation and two weight operands taken in turn
+// two weight and two activation operands taken in turn
 #define T_C0 0
 #define T_C1 1
 #define T_C2 2
@@ -183,103 +178,134 @@ static inline int amx_on(void) {
     return amx_usable;
 }
 
-// The tile shapes for nb activation rows, constants: built on the stack, GCC dropped the field stores once
-// the function was inlined (it does not see ldtilecfg read them) and the first tile load faulted.
-// C0-C3: nb activation rows x 16 int32 sums (one per weight row); A0, A1: nb rows x 32 codes (a group);
-// B0, B1: 8 code quads x 16 weight rows (VNNI order: row j holds codes 4j..4j+3 of each weight row).
-#define AMX_CFG(NB) { .palette = 1, \
-    .colsb = {[T_C0] = 64, [T_C1] = 64, [T_C2] = 64, [T_C3] = 64, [T_A0] = 32, [T_A1] = 32, [T_B0] = 64, [T_B1] = 64}, \
-    .rows = {[T_C0] = NB, [T_C1] = NB, [T_C2] = NB, [T_C3] = NB, [T_A0] = NB, [T_A1] = NB, [T_B0] = 8, [T_B1] = 8} }
-static const SSTileCfg amx_cfg[MAX_ROWS + 1] = {AMX_CFG(1), AMX_CFG(1), AMX_CFG(2), AMX_CFG(3), AMX_CFG(4),
-                                                AMX_CFG(5), AMX_CFG(6), AMX_CFG(7), AMX_CFG(8)};
-#undef AMX_CFG
+// The tile shapes, a constant: built on the stack, GCC dropped its field stores once the function was
+// inlined (it does not see ldtilecfg read them) and the first tile load faulted.
+static const SSTileCfg amx_cfg = {
+    .palette = 1,
+    // 16 weight rows x 8 int32 sums (C0-C3), 16 weight rows x 32 codes (A0, A1), 8 code quads x 8 rows (B0, B1)
+    .colsb = {[T_C0] = 32, [T_C1] = 32, [T_C2] = 32, [T_C3] = 32, [T_A0] = 32, [T_A1] = 32, [T_B0] = 32, [T_B1] = 32},
+    .rows = {[T_C0] = 16, [T_C1] = 16, [T_C2] = 16, [T_C3] = 16, [T_A0] = 16, [T_A1] = 16, [T_B0] = 8, [T_B1] = 8},
+};
 
-// The weights as the tiles read them (weights/quant.py's _tile_codes builds the copy; AMX machines only):
-// blocks of 16 rows, each group's codes in VNNI order. Block b at 16 b row_bytes, group g of it at
-// AMX_GROUP_BYTES(q4) g:
-//   q8: [quad j 0..7][row 0..15][4 codes]: B itself, read in place;
-//   q4: [j 0..3][row][4 bytes], the rows' own bytes 4j..4j+3 of the group: low nibbles are codes 4j..4j+3
-//       (B's quad j), high nibbles codes 16 + 4j.. (quad 4 + j); amx_unpack_b splits them.
-#define AMX_GROUP_BYTES(q4) ((q4) ? 256 : 512)
+AI void amx_configure(void) { _tile_loadconfig(&amx_cfg); }
 
-// B of a q4 group: 8 quads x 16 rows of codes 0..15 at b, from the group's 256 bytes at w
-AI void amx_unpack_b(const uint8_t *w, uint8_t *b) {
-    const __m512i m4 = _mm512_set1_epi8(15);
-    for (int j = 0; j < 4; j++) {
-        const __m512i raw = _mm512_loadu_si512(w + 64 * j);
-        _mm512_store_si512(b + 64 * j, _mm512_and_si512(raw, m4));
-#if defined(__GFNI__)
-        // each byte's high nibble moved down, the rest cleared: one instruction for the shift and the mask
-        _mm512_store_si512(b + 64 * (4 + j), _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64(0x1020408000000000LL), 0));
-#else
-        _mm512_store_si512(b + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4));
-#endif
+// The activation side of one call: B tiles and per-group scales for up to 8 rows (rows past nb are zero).
+typedef struct {
+    int32_t *b;   // [G][8 code quads][8 rows]: B of group g at b + 64 g (lo half: quads 0-3, hi: 4-7)
+    float *d;     // [G][16]: the rows' scales d[m][g], twice (two weight rows share a vector)
+    float *s;     // [G][16]: the rows' sums s[m][g] (d x sum of codes), twice
+} AmxAct;
+
+static __thread void *amx_buf;
+static __thread int64_t amx_cap;
+
+static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K, int nb) {
+    const int G = K / 32;
+    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)G * (256 + 128));
+    AmxAct a = {(int32_t *)buf, (float *)(buf + (int64_t)G * 256), NULL};
+    a.s = a.d + (int64_t)G * 16;
+    const __mmask8 live = (__mmask8)((1u << nb) - 1);   // rows past nb read as zero
+    const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K / 4));
+    const __m256i grow = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(G));
+    for (int g = 0; g < G; g++) {
+        for (int j = 0; j < 8; j++)   // code quad j of group g, across the rows
+            _mm256_store_si256((__m256i *)(a.b + 64 * g + 8 * j),
+                               _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, rows, xq + 32 * g + 4 * j, 4));
+        const __m256 d = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xd + g, 4);
+        const __m256 sm = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xs + g, 4);
+        _mm512_store_ps(a.d + 16 * g, _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1));
+        _mm512_store_ps(a.s + 16 * g, _mm512_insertf32x8(_mm512_castps256_ps512(sm), sm, 1));
+    }
+    return a;
+}
+
+// acc[j] (weight rows 2j, 2j+1 x 8 activation rows) += the scaled sums of group g in c; sw16, mw16: the 16 rows'
+// scales and offsets of the group (tile_scales), a pair of rows' taken by one permutation
+static const int32_t amx_pair_pick[8][16] __attribute__((aligned(64))) = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
+    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9}, {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
+    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13}, {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
+};
+AI void amx_epilogue(__m512 acc[8], const int32_t *c, const AmxAct *a, int g, const float *sw16, const float *mw16,
+                     int q4) {
+    const __m512 d = _mm512_load_ps(a->d + 16 * g), s = _mm512_load_ps(a->s + 16 * g);
+    const __m512 w = _mm512_load_ps(sw16), o = _mm512_load_ps(mw16);
+    for (int j = 0; j < 8; j++) {
+        const __m512i pick = _mm512_load_si512(amx_pair_pick[j]);
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)), d);
+        acc[j] = _mm512_fmadd_ps(v, _mm512_permutexvar_ps(pick, w), acc[j]);
+        if (q4) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, o), s, acc[j]);
     }
 }
 
-// Weight rows [n0, n0 + 16 blocks) of a q4 (q4 = 1) or q8 matrix, read from its tile copy ct, against nb
-// activation rows (codes xq [nb][K], scales xd and sums xs [nb][K/32]):
+// Groups g..g+3 (those below G) of 16 q4 rows as codes 0..15, row r at buf + 128 r: a row's 64 bytes
+// (16 per group) become [g low nibbles 16 | g high nibbles 16 | g+1 low | g+1 high] ..., each group's 32
+// codes in order
+AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *buf) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i mix0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), mix1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    const int ng = G - g < 4 ? G - g : 4;
+    const __mmask64 k = ng == 4 ? ~0ULL : (1ULL << (16 * ng)) - 1;
+    for (int r = 0; r < 16; r++) {
+        const __m512i raw = _mm512_maskz_loadu_epi8(k, w + r * row_bytes + 16 * g);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        _mm512_store_si512(buf + 128 * r, _mm512_permutex2var_epi64(lo, mix0, hi));
+        _mm512_store_si512(buf + 128 * r + 64, _mm512_permutex2var_epi64(lo, mix1, hi));
+    }
+}
+
+// Weight rows [n0, n0 + 16 blocks) of a q4 (q4 = 1) or q8 matrix against the prepared activation rows:
 // y[m * ystride + n] (=|+=) W[n] . X[m] (+ bias[n]) for m < nb.
-// Per group g: A = the activation rows' codes of the group, in place; B = the weights' (q4: unpacked four
-// groups ahead: tile loads of data that vector stores have just written wait for the stores to drain);
-// C = nb x 16 sums, lanes = weight rows, so the scaling needs no shuffles: per activation row m,
-//     acc[m] = fma(float(sum) * d[m][g], sc[g], acc[m]);  acc[m] = fma(mn[g], s[m][g], acc[m])
-// Group g's product goes to sum tile g % 4, stored LAG groups later and scaled a group after that, so the
-// tile unit works while the vector units scale.
-// pf: prefetch the block AMX_PF_BLOCKS ahead (within n_all rows) while this one multiplies.
-AI void amx_rows_of(const void *ct, const void *sc, const void *mn, const void *st, const void *mt, int half,
-                    const int q4, int K, int64_t n0, int blocks, const int8_t *xq, const float *xd, const float *xs,
-                    int nb, const float *bias, float *y, int ystride, int accumulate, int pf, int64_t n_all) {
+// Group g's product goes to sum tile g % 4 and is scaled three groups later (amx_epilogue), so the
+// tile unit works while the vector units scale: with one group in flight the two took turns.
+// pf: prefetch the next block of 16 rows (within n_all rows) while this one multiplies: the hardware
+// prefetchers alone do not follow 16 rows read 64 bytes at a time (the step's batch-8 gate/up products
+// took as long as on the vector kernels without it).
+AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                    const int q4, int K, int64_t n0,
+                    int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                    int accumulate, int pf, int64_t n_all) {
     enum { LAG = 3 };
-    const int G = K / 32, gb = AMX_GROUP_BYTES(q4);
-    const int64_t block_bytes = (int64_t)G * gb;
-    _Alignas(64) uint8_t bbuf[2][4][512];   // q4: B of four groups, unpacked a block of four ahead
-    _Alignas(64) int32_t cbuf[2][MAX_ROWS * 16];   // sums stored one group before they are read
-    _Alignas(64) float sw[2][4][16], mw[2][4][16];   // scales of two blocks of 4 groups
-    _tile_loadconfig(&amx_cfg[nb]);
+    const int G = K / 32;
+    const int64_t row_bytes = q4 ? K / 2 : K;
+    // q4: 16 rows x 4 groups of 32 codes (0..15), unpacked four groups ahead: tile loads of data that
+    // vector stores have just written wait for the stores to drain (perf: the hottest instruction)
+    _Alignas(64) uint8_t abuf[2][16 * 128];
+    _Alignas(64) int32_t cbuf[2][16 * 8];   // sums stored one group before they are read
+    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[8 * 16];   // scales of two blocks of 4 groups
+    const __m512i pick_m = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    amx_configure();
     for (int blk = 0; blk < blocks; blk++) {
         const int64_t n = n0 + 16 * (int64_t)blk;
-        const uint8_t *w = (const uint8_t *)ct + (n >> 4) * block_bytes;
-        __m512 acc[MAX_ROWS];
-        for (int m = 0; m < nb; m++) acc[m] = _mm512_setzero_ps();
+        const uint8_t *w = (const uint8_t *)wq + n * row_bytes;
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
 #define AMX_STORE_C(t) switch ((t) & 3) { \
-            case 0: _tile_stored(T_C0, cbuf[(t) & 1], 64); break; case 1: _tile_stored(T_C1, cbuf[(t) & 1], 64); break; \
-            case 2: _tile_stored(T_C2, cbuf[(t) & 1], 64); break; default: _tile_stored(T_C3, cbuf[(t) & 1], 64); }
-#define AMX_SCALE(p) do { \
-            const int32_t *c_ = cbuf[(p) & 1]; \
-            const __m512 w_ = _mm512_load_ps(sw[((p) >> 2) & 1][(p) & 3]), o_ = _mm512_load_ps(mw[((p) >> 2) & 1][(p) & 3]); \
-            for (int m = 0; m < nb; m++) { \
-                const __m512 v_ = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c_ + 16 * m)), \
-                                                _mm512_set1_ps(xd[(int64_t)m * G + (p)])); \
-                acc[m] = _mm512_fmadd_ps(v_, w_, acc[m]); \
-                if (q4) acc[m] = _mm512_fmadd_ps(o_, _mm512_set1_ps(xs[(int64_t)m * G + (p)]), acc[m]); \
-            } } while (0)
-        if (q4)
-            for (int i = 0; i < 4 && i < G; i++) amx_unpack_b(w + 256 * i, bbuf[0][i]);
+            case 0: _tile_stored(T_C0, cbuf[(t) & 1], 32); break; case 1: _tile_stored(T_C1, cbuf[(t) & 1], 32); break; \
+            case 2: _tile_stored(T_C2, cbuf[(t) & 1], 32); break; default: _tile_stored(T_C3, cbuf[(t) & 1], 32); }
+#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, (p), sw[((p) >> 2) & 1][(p) & 3], mw[((p) >> 2) & 1][(p) & 3], q4)
+        if (q4) amx_unpack(w, row_bytes, 0, G, abuf[0]);
         for (int g = 0; g < G; g++) {
             const int i = g & 3;
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
-                if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all) {
-                    const char *later = (const char *)w + AMX_PF_BLOCKS * block_bytes + (int64_t)gb * g;
-                    for (int o = 0; o < ng * gb; o += 64) __builtin_prefetch(later + o, 0, 2);
-                    if (g == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n + 16 * AMX_PF_BLOCKS);
-                }
+                if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
+                    amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g);
                 tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
-                if (q4)
-                    for (int u = g + 4; u < g + 8 && u < G; u++) amx_unpack_b(w + 256 * u, bbuf[((g >> 2) + 1) & 1][u & 3]);
+                if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((g >> 2) + 1) & 1]);
             }
-            const void *B = q4 ? (const void *)bbuf[(g >> 2) & 1][i] : (const void *)(w + 512 * g);
+            const void *A = q4 ? (const void *)(abuf[(g >> 2) & 1] + 32 * i) : (const void *)(w + 32 * g);
+            const int64_t astride = q4 ? 128 : row_bytes;
             if (g & 1) {
-                _tile_loadd(T_A1, xq + 32 * g, K);
-                _tile_loadd(T_B1, B, 64);
+                _tile_loadd(T_A1, A, astride);
+                _tile_loadd(T_B1, a->b + 64 * g, 32);
             } else {
-                _tile_loadd(T_A0, xq + 32 * g, K);
-                _tile_loadd(T_B0, B, 64);
+                _tile_loadd(T_A0, A, astride);
+                _tile_loadd(T_B0, a->b + 64 * g, 32);
             }
-            // activation codes signed, weight codes unsigned (q4: 0..15) or signed (q8)
-#define AMX_DP(C) if (g & 1) { if (q4) _tile_dpbsud(C, T_A1, T_B1); else _tile_dpbssd(C, T_A1, T_B1); } \
-                  else { if (q4) _tile_dpbsud(C, T_A0, T_B0); else _tile_dpbssd(C, T_A0, T_B0); }
+#define AMX_DP(C) if (g & 1) { if (q4) _tile_dpbusd(C, T_A1, T_B1); else _tile_dpbssd(C, T_A1, T_B1); } \
+                  else { if (q4) _tile_dpbusd(C, T_A0, T_B0); else _tile_dpbssd(C, T_A0, T_B0); }
             switch (i) {
             case 0: _tile_zero(T_C0); AMX_DP(T_C0) break;
             case 1: _tile_zero(T_C1); AMX_DP(T_C1) break;
@@ -298,10 +324,11 @@ AI void amx_rows_of(const void *ct, const void *sc, const void *mn, const void *
         }
 #undef AMX_SCALE
 #undef AMX_STORE_C
+        for (int j = 0; j < 8; j++) _mm512_store_ps(out + 16 * j, acc[j]);
         const __m512 b16 = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < nb; m++) {
+        for (int m = 0; m < nb; m++) {   // activation row m's 16 results: lanes m and 8 + m of the pairs
             float *yo = y + (int64_t)m * ystride + n;
-            __m512 v = _mm512_add_ps(acc[m], b16);
+            __m512 v = _mm512_add_ps(_mm512_i32gather_ps(pick_m, out + m, 4), b16);
             if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(yo), v);
             _mm512_storeu_ps(yo, v);
         }
@@ -309,18 +336,22 @@ AI void amx_rows_of(const void *ct, const void *sc, const void *mn, const void *
     _tile_release();
 }
 // one copy per kind, so the group loop has no branch on it
-__attribute__((noinline)) static void amx_rows_q4(const void *ct, const void *sc, const void *mn, const void *st,
+__attribute__((noinline)) static void amx_rows_q4(const void *wq, const void *sc, const void *mn, const void *st,
                                                   const void *mt, int half, int K, int64_t n0, int blocks,
-                                                  const int8_t *xq, const float *xd, const float *xs, int nb,
-                                                  const float *bias, float *y, int ystride, int accumulate, int pf,
-                                                  int64_t n_all) {
-    amx_rows_of(ct, sc, mn, st, mt, half, 1, K, n0, blocks, xq, xd, xs, nb, bias, y, ystride, accumulate, pf, n_all);
+                                                  const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                                                  int accumulate, int pf, int64_t n_all) {
+    amx_rows_of(wq, sc, mn, st, mt, half, 1, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
 }
-__attribute__((noinline)) static void amx_rows_q8(const void *ct, const void *sc, const void *st, int half, int K,
-                                                  int64_t n0, int blocks, const int8_t *xq, const float *xd, int nb,
-                                                  const float *bias, float *y, int ystride, int accumulate, int pf,
-                                                  int64_t n_all) {
-    amx_rows_of(ct, sc, NULL, st, NULL, half, 0, K, n0, blocks, xq, xd, NULL, nb, bias, y, ystride, accumulate, pf, n_all);
+__attribute__((noinline)) static void amx_rows_q8(const void *wq, const void *sc, const void *st, int half, int K,
+                                                  int64_t n0, int blocks, const AmxAct *a, int nb, const float *bias,
+                                                  float *y, int ystride, int accumulate, int pf, int64_t n_all) {
+    amx_rows_of(wq, sc, NULL, st, NULL, half, 0, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+static void amx_rows(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half, int q4,
+                     int K, int64_t n0, int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
+                     int accumulate, int pf, int64_t n_all) {
+    if (q4) amx_rows_q4(wq, sc, mn, st, mt, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
+    else amx_rows_q8(wq, sc, st, half, K, n0, blocks, a, nb, bias, y, ystride, accumulate, pf, n_all);
 }
 
 #endif

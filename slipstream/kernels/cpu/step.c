@@ -41,8 +41,6 @@ typedef struct SSMat {
     int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks
     const struct SSMat *next;
     const void *scale_t, *min_t; // q4, q8 on AVX-512 VNNI machines: scale and min as [N/16][K/32][16] (NULL: none)
-    const void *codes_t;         // q4, q8 on AMX machines: the codes of whole blocks of 16 rows as the tiles read
-                                 // them (amx.h; NULL: none, and no tiles for this matrix)
 } SSMat;
 
 // A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE): p = softmax(router h), the top k kept (renormalised to sum
@@ -382,8 +380,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
         // With the twin and tiles (amx.h), every chunk against the whole range instead: a tile product
-        // unpacks its weights itself, the twin prepares a chunk's codes once per call (a 512-token prompt
-        // chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
+        // unpacks its weights itself, and a chunk's B operand (amx_prep) is built once, not once per weight
+        // block (a 512-token prompt chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
         const int wb = twin ? n1 - n0
                      : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
         for (int r0 = n0; r0 < n1; r0 += wb)
@@ -398,16 +396,13 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #ifdef SS_TWIN
     if (twin) {
 #ifdef SS_AMX
-        // whole blocks of 16 weight rows on tiles (the tile copy holds the matrix's whole blocks: a range
-        // from a multiple of 16), the rest on the twin
-        const int blocks = tiles && m->codes_t && n0 % 16 == 0 ? (n1 - n0) / 16 : 0;
-        if (blocks && m->kind == KIND_Q4)
-            amx_rows_q4(m->codes_t, m->scale, m->min, m->scale_t, m->min_t, half, K, n0, blocks, x->q, x->d, x->s, B,
-                        m->bias, y, ystride, accumulate, pf_bytes > 0, m->n);
-        else if (blocks)
-            amx_rows_q8(m->codes_t, m->scale, m->scale_t, half, K, n0, blocks, x->q, x->d, B, m->bias, y, ystride,
-                        accumulate, pf_bytes > 0, m->n);
-        n0 += 16 * blocks;
+        if (tiles && n1 - n0 >= 16) {   // whole blocks of 16 weight rows on tiles, the rest on the twin
+            const int blocks = (n1 - n0) / 16;
+            const AmxAct xa = amx_prep(x->q, x->d, x->s, K, B);
+            amx_rows(m->q, m->scale, m->min, m->scale_t, m->min_t, half, m->kind == KIND_Q4, K, n0, blocks, &xa, B,
+                     m->bias, y, ystride, accumulate, pf_bytes > 0, m->n);
+            n0 += 16 * blocks;
+        }
 #endif
         if (n0 < n1 && m->kind == KIND_Q4)
             twin_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, half, K, n0, n1, x->q, x->d, x->s, B, m->bias, y,
@@ -740,30 +735,22 @@ void ss_set_wait_prefetch(int bytes) { wait_pf_bytes = bytes > 0 ? bytes : 0; }
 void ss_set_attn_prefetch(int rows) { ss_attn_pf = rows > 1 ? rows : 1; }
 
 // prefetch rows [n0, n1) of m from row n0 on, at most `budget` bytes, while *ev < count; returns bytes issued
-// (fast: the fast path's step of `rows` rows, whose q4/q8 products on the twin and tiles read the tile-ordered
-// copy of the scale planes where there is one, and on tiles the tile copy of the codes: the bytes of rows
-// [n0, n1) there span the same offsets as in the planes and the codes, whole blocks of 16 rows)
+// (fast: the fast path's step, whose q4/q8 products on the twin and tiles read the tile-ordered copy of the
+// scale planes where there is one: the bytes of rows [n0, n1) there span the same offsets as in the planes)
 static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count,
-                             int fast, int rows) {
+                             int fast) {
     while (n0 >= m->n && m->next) n0 -= m->n, n1 -= m->n, m = m->next;
     if (n1 > m->n) n1 = m->n;
     const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
-    const void *sc = m->scale, *mn = m->min, *tiled = NULL;
+    const void *sc = m->scale, *mn = m->min;
 #ifdef SS_TWIN
     if (fast && twin_usable && m->scale_t) sc = m->scale_t, mn = m->min_t;
-#ifdef SS_AMX
-    if (fast && twin_usable && m->codes_t && n0 % 16 == 0 && amx_on() &&
-        rows >= (m->kind == KIND_Q4 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS_Q8))
-        tiled = m->codes_t;
-#endif
 #else
     (void)fast;
 #endif
-    (void)rows;
-    const int whole = m->n / 16 * 16;   // rows in the tile copy
     int64_t done = 0, since_check = 0;
     for (int n = n0; n < n1 && done < budget; n++) {
-        const char *c = (const char *)(tiled && n < whole ? tiled : m->q) + (int64_t)n * code_bytes;
+        const char *c = (const char *)m->q + (int64_t)n * code_bytes;
         for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
         if (scale_bytes) {
             __builtin_prefetch((const char *)sc + (int64_t)n * scale_bytes, 0, 2);
@@ -779,19 +766,18 @@ static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _At
     return done;
 }
 
-static void prefetch_while_waiting(const SSModel *m, const SSTask *t, _Atomic int32_t *ev, int32_t count, int fast,
-                                   int rows, int out_rows) {
+static void prefetch_while_waiting(const SSModel *m, const SSTask *t, _Atomic int32_t *ev, int32_t count, int fast) {
     const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
     const int64_t budget = wait_pf_bytes;
     switch (t->op) {
-    case OP_QKV: prefetch_rows(&L->qkv, t->t0 * m->head_dim, t->t1 * m->head_dim, budget, ev, count, fast, rows); break;
-    case OP_O: prefetch_rows(&L->o, t->t0, t->t1, budget, ev, count, fast, rows); break;
+    case OP_QKV: prefetch_rows(&L->qkv, t->t0 * m->head_dim, t->t1 * m->head_dim, budget, ev, count, fast); break;
+    case OP_O: prefetch_rows(&L->o, t->t0, t->t1, budget, ev, count, fast); break;
     case OP_GATE_UP:
-        if (prefetch_rows(&L->gate_up, t->t0, t->t1, budget / 2, ev, count, fast, rows) >= budget / 2)
-            prefetch_rows(&L->gate_up, m->ffn + t->t0, m->ffn + t->t1, budget / 2, ev, count, fast, rows);
+        if (prefetch_rows(&L->gate_up, t->t0, t->t1, budget / 2, ev, count, fast) >= budget / 2)
+            prefetch_rows(&L->gate_up, m->ffn + t->t0, m->ffn + t->t1, budget / 2, ev, count, fast);
         break;
-    case OP_DOWN: prefetch_rows(&L->down, t->t0, t->t1, budget, ev, count, fast, rows); break;
-    case OP_LM_HEAD: prefetch_rows(&m->lm_head, t->t0, t->t1, budget, ev, count, fast, out_rows); break;
+    case OP_DOWN: prefetch_rows(&L->down, t->t0, t->t1, budget, ev, count, fast); break;
+    case OP_LM_HEAD: prefetch_rows(&m->lm_head, t->t0, t->t1, budget, ev, count, fast); break;
     default: break;
     }
 }
@@ -1011,8 +997,7 @@ static void work(uint32_t g) {
         if (t->wait_ev >= 0) {
             if (wait_pf_bytes && 
                 atomic_load_explicit(&T.events[t->wait_ev], memory_order_relaxed) < t->wait_count)
-                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count, !T.exact, T.step->rows,
-                                       T.step->n_out);
+                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count, !T.exact);
             wait_at_least(&T.events[t->wait_ev], t->wait_count);
         }
         const int64_t t1 = prof_on ? now_ns() : 0;
