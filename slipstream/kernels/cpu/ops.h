@@ -193,11 +193,10 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
     }
     float inv[nh];   // 1 / each head's softmax sum
     for (int h = 0; h < nh; h++) {
-        float *ph = p + h * n, mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-            if (cap > 0.f) ph[i] = cap * tanhf(ph[i] / cap);
-            mx = ph[i] > mx ? ph[i] : mx;
-        }
+        float *ph = p + h * n;
+        if (cap > 0.f)
+            for (int64_t i = 0; i < n; i++) ph[i] = cap * tanhf(ph[i] / cap);
+        const float mx = ss_max(ph, n);
         const float sum = ss_exp_shift(ph, n, mx);
         inv[h] = 1.0f / sum;
         if (ml) ml[2 * h] = mx, ml[2 * h + 1] = sum;
