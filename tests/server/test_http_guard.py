@@ -110,7 +110,9 @@ def test_body_limits_answer_before_the_body_is_read():
                 f"Content-Length: {10 ** 10}\r\n\r\n").encode()
         out = _raw(srv.port, head)
         assert out.startswith(b"HTTP/1.1 413"), out[:200]
-        assert b"request_too_large" in out and time.perf_counter() - t0 < 1.0
+        # 413, not the body timeout's 408: answered without waiting for a body that never comes (the bound
+        # leaves room for a 2-core machine running two test workers)
+        assert b"request_too_large" in out and time.perf_counter() - t0 < 5.0
         # a chunked body that grows past the limit: 413 as soon as it does
         def chunks():
             for _ in range(100):
@@ -135,7 +137,7 @@ def test_slow_headers_are_cut_and_connections_are_capped():
             s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             s.settimeout(0.2)
             closed = False
-            while time.perf_counter() - t0 < 4 and not closed:
+            while time.perf_counter() - t0 < 8 and not closed:
                 try:
                     s.sendall(b"X-a: b\r\n")
                     closed = s.recv(100) == b""
@@ -143,7 +145,7 @@ def test_slow_headers_are_cut_and_connections_are_capped():
                     pass
                 except OSError:
                     closed = True
-            assert closed and time.perf_counter() - t0 < 3.0
+            assert closed and time.perf_counter() - t0 < 6.0   # cut at the 1 s header timeout, trickle or not
         # the connection cap: the fifth idle connection gets a 503 and is closed
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(4)]
         try:
