@@ -88,8 +88,8 @@ def attention_parts(rows: int, kv_heads: int, threads: int) -> int:
 def attention_whole_rows(rows: int, threads: int) -> bool:
     """Whether each attention task takes all of a row's KV heads (t1 = ALL_HEADS) rather than one: where the
     rows alone give every thread two tasks. A slot's K (and V) rows of all heads are contiguous, so one task
-    streams them in order, and prefetches them into L2 before it starts (batch-8 step 0.93-0.97x the
-    per-head tasks', step_ab.py)."""
+    streams them in order, and prefetches them into L2 before it starts (batch-8 step 0.955-0.984x the
+    per-head tasks', 0.939x at context 400: plan_ab.py --variants whole=0 whole=1)."""
     return rows >= 2 * max(threads, 1)
 
 

@@ -198,7 +198,6 @@ AI float32x4_t ss_exp128(float32x4_t x) {
 }
 #endif
 
-// x[i] = exp(x[i] - shift); returns the sum of the results
 // The largest of x[0..n) and -inf, as `m = x[i] > m ? x[i] : m` from m = -inf gives it (NaNs never win):
 // one compare per element in a dependent chain took ~8% of a batch-8 step's attention (4 cycles each)
 AI float ss_max(const float *x, int64_t n) {
@@ -228,6 +227,7 @@ AI float ss_max(const float *x, int64_t n) {
     return m;
 }
 
+// x[i] = exp(x[i] - shift); returns the sum of the results
 AI float ss_exp_shift(float *x, int64_t n, float shift) {
     int64_t i = 0;
     float sum = 0.f;

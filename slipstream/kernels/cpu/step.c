@@ -551,7 +551,8 @@ static const int64_t *attention_slots(const SSStep *s, const SSLayer *L, int b, 
     return sl;
 }
 
-static int attention_parts(int64_t n) {
+// the parts a context of n tokens is attended in (see SPLIT_TOKENS)
+static int context_parts(int64_t n) {
     return n / SPLIT_TOKENS > MAX_PARTS ? MAX_PARTS : n / SPLIT_TOKENS < 2 ? 1 : (int)(n / SPLIT_TOKENS);
 }
 
@@ -562,7 +563,7 @@ static int attention_parts(int64_t n) {
 static void attention_prefetch_row(const SSModel *m, const SSStep *s, const SSLayer *L, int b, int aux) {
     int64_t n;
     const int64_t *sl = attention_slots(s, L, b, &n);
-    if ((aux & 0xff) != 0 || attention_parts(n) != 1) return;
+    if ((aux & 0xff) != 0 || context_parts(n) != 1) return;
     const int64_t row = (int64_t)m->kv_heads * m->head_dim * (L->kv_f16 ? 2 : 4);
     for (int64_t i = 0; i < n; i++) {
         const char *k = (const char *)L->kcache + sl[i] * row, *v = (const char *)L->vcache + sl[i] * row;
@@ -578,7 +579,7 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
     const int task = aux & 0xff, tasks = aux >> 8 > 1 ? aux >> 8 : 1;
     int64_t n;
     const int64_t *sl = attention_slots(s, L, b, &n);
-    const int parts = attention_parts(n);
+    const int parts = context_parts(n);
     if (parts == 1 && task > 0) return;
     const int64_t longest = (n + parts - 1) / parts;
     if (longest * group > tl_cap) {
