@@ -395,10 +395,10 @@ class Linear:
         if _tile_planes():
             # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a
             # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group
-            if getattr(self, "_tile_planes", None) is None:
-                self._tile_planes = (_tile_ordered(self.scale),
-                                     None if self.min is None else _tile_ordered(self.min))
-            m.scale_t, m.min_t = self._tile_planes[0].data_ptr(), ptr(self._tile_planes[1])
+            if getattr(self, "_planes_by_tile", None) is None:
+                self._planes_by_tile = (_tile_ordered(self.scale),
+                                        None if self.min is None else _tile_ordered(self.min))
+            m.scale_t, m.min_t = self._planes_by_tile[0].data_ptr(), ptr(self._planes_by_tile[1])
         return m
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,

@@ -293,9 +293,6 @@ static SSAct act_rows(const SSAct *a, int64_t r, int K) {
                    a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
 }
 
-// Whether batched fast-path q4/q8 products run on AMX tiles (amx.h): 1 when this build and CPU have them and
-// Linux granted the tile state (SLIPSTREAM_AMX=0 turns them off). ss_set_amx(0 or 1) switches them (1 only
-// where they are usable) and returns the resulting state.
 // Whether the fast path's q4/q8 products run on the twin (and tiles) where this build has them: 1 by default;
 // ss_set_twin(0) (or SLIPSTREAM_TWIN=0 at load) puts them back on the paired kernels, tiles included, for
 // A/B measurements. Returns the resulting state (0 on builds without the twin).
@@ -319,6 +316,9 @@ int ss_tile_planes(void) {
 #endif
 }
 
+// Whether batched fast-path q4/q8 products run on AMX tiles (amx.h): 1 when this build and CPU have them and
+// Linux granted the tile state (SLIPSTREAM_AMX=0 turns them off). ss_set_amx(0 or 1) switches them (1 only
+// where they are usable) and returns the resulting state.
 int ss_amx_active(void) {
 #ifdef SS_AMX
     return amx_on();
