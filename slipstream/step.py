@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol, Sequence
 
+import numpy as np
 import torch
 
 Read = tuple[int, int] | torch.Tensor     # contiguous slot range [first, last + 1), or gathered slot ids
+ReadIds = tuple[int, int] | np.ndarray    # the same with the slot ids in a numpy array (int64)
 
 
 @dataclass
@@ -69,10 +71,31 @@ class StepInput:
         return StepInput(token_ids, self.positions + 1, self.write_slots + 1, seqs, self.logits_rows)
 
 
+@dataclass
+class DecodeRows:
+    """A decode step (one new token per sequence, every row's output wanted) as plain lists. A runtime
+    whose step runs on the host takes it through `forward_rows` and fills its own arrays in place: on
+    a 2-core CPU the tensors of a `StepInput` and their conversions cost ~0.2 ms per step, 6-7% of a
+    batch-1 step of the default model (benchmarks/host_overhead.py)."""
+    token_ids: list[int]
+    positions: list[int]
+    write_slots: list[int]
+    reads: list[ReadIds]       # each row's context, its own token included: a slot range or slot ids
+
+    def step(self) -> StepInput:
+        """The same step as a `StepInput`."""
+        reads = [r if isinstance(r, tuple) else torch.from_numpy(r) for r in self.reads]
+        seqs = [SeqSlice(i, 1, p + 1, r) for i, (p, r) in enumerate(zip(self.positions, reads))]
+        return StepInput(torch.tensor(self.token_ids, dtype=torch.long), torch.tensor(self.positions, dtype=torch.long),
+                         torch.tensor(self.write_slots, dtype=torch.long), seqs, torch.arange(len(self.token_ids)))
+
+
 class SlotSource(Protocol):
     """A sequence's place in a KV cache (`kv.blocks.SequenceKV`, or `ContiguousSlots`)."""
+    def slot(self, pos: int) -> int: ...
     def slots(self, start: int, end: int) -> torch.Tensor: ...
     def read_slots(self, end: int) -> Read: ...
+    def read_ids(self, end: int) -> ReadIds: ...
 
 
 class ContiguousSlots:
@@ -81,10 +104,16 @@ class ContiguousSlots:
     def __init__(self, base: int):
         self.base = base
 
+    def slot(self, pos: int) -> int:
+        return self.base + pos
+
     def slots(self, start: int, end: int) -> torch.Tensor:
         return torch.arange(self.base + start, self.base + end)
 
     def read_slots(self, end: int) -> Read:
+        return (self.base, self.base + end)
+
+    def read_ids(self, end: int) -> ReadIds:
         return (self.base, self.base + end)
 
 
@@ -155,6 +184,12 @@ def prefill_step(seq: SlotSource, tokens: Sequence[int] | torch.Tensor, start: i
     b = StepBuilder()
     b.add(seq, tokens, start, logits=logits, gather=gather)
     return b.build()
+
+
+def decode_rows(seqs: Sequence[SlotSource], tokens: Sequence[int], positions: Sequence[int]) -> DecodeRows:
+    """One decode step as `DecodeRows`: token i at position i of sequence i (`decode_step`'s rows)."""
+    return DecodeRows(list(tokens), list(positions), [s.slot(p) for s, p in zip(seqs, positions)],
+                      [s.read_ids(p + 1) for s, p in zip(seqs, positions)])
 
 
 def decode_step(seqs: Sequence[SlotSource], tokens: Sequence[int], positions: Sequence[int], *,

@@ -299,7 +299,7 @@ class Engine:
         if proposal is not None:
             return self.speculation.verify(batch, proposal)
         if self.executor.device_greedy(batch):   # the token chosen on the GPU: no logits copied
-            return self._emit(batch, self.executor.decode(batch, tokens_only=True).tolist())
+            return self._emit(batch, self.executor.decode_tokens(batch))
         constrained = [r.matcher for r in batch]
         # the grammar masks: filled on a helper thread while a GPU runs the step, else after it, where needed
         masker = MaskJob if self._masks_while_stepping else MaskNow

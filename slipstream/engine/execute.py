@@ -18,7 +18,7 @@ from slipstream.kv.prefix_cache import PrefixCache
 from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder
 from slipstream.runtime.registry import prefill_capacity
-from slipstream.step import StepBuilder, StepInput
+from slipstream.step import StepBuilder, StepInput, decode_rows
 from slipstream.weights.quant import DENSE_FROM_ROWS, matvec_only
 
 Chunk = tuple[Request, int, int]   # a prompt chunk: (request, start, end)
@@ -57,21 +57,37 @@ class StepExecutor:
                 and all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None
                         and r.matcher is None for r in batch))
 
-    def decode(self, batch: list[Request], tokens_only: bool = False) -> torch.Tensor:
-        """One decode step of `batch`: last-position logits, or with `tokens_only` the greedy tokens
-        from a runtime that selects them on the device."""
-        b = StepBuilder()
+    def decode(self, batch: list[Request]) -> torch.Tensor:
+        """One decode step of `batch`: the last positions' logits."""
+        logits = self._decode(batch, tokens_only=False)
+        assert isinstance(logits, torch.Tensor)
+        return logits
+
+    def decode_tokens(self, batch: list[Request]) -> list[int]:
+        """One decode step of `batch`: the greedy tokens a runtime that selects them itself chose
+        (`device_greedy`)."""
+        tokens = self._decode(batch, tokens_only=True)
+        return tokens if isinstance(tokens, list) else tokens.tolist()
+
+    def _decode(self, batch: list[Request], tokens_only: bool) -> torch.Tensor | list[int]:
         positions = [r.num_tokens - 1 for r in batch]   # the last sampled token is not in the cache yet
-        for r, pos in zip(batch, positions):
-            b.add(r.seq, [r.output_ids[-1]], pos)
-        step = b.build()
-        logits = self.runtime.forward(step, tokens_only=True) if tokens_only else self.forward(step)
+        forward_rows = None if self.needs_hidden else getattr(self.runtime, "forward_rows", None)
+        out: torch.Tensor | list[int]
+        if forward_rows is not None:   # a host runtime: the step as lists, no tensors built
+            out = forward_rows(decode_rows([r.seq for r in batch], [r.output_ids[-1] for r in batch], positions),
+                               tokens_only=tokens_only)
+        else:
+            b = StepBuilder()
+            for r, pos in zip(batch, positions):
+                b.add(r.seq, [r.output_ids[-1]], pos)
+            step = b.build()
+            out = self.runtime.forward(step, tokens_only=True) if tokens_only else self.forward(step)
         for i, r in enumerate(batch):
             if self.observer is not None:
                 self.observer.observe(r, positions[i], self.hidden[i:i + 1])
             r.kv.num_tokens += 1
             self.commit_blocks(r)
-        return logits
+        return out
 
     # -- decode and prompt chunks in one step ---------------------------------------------------
     def can_merge(self, batch: list[Request], chunks: list[Chunk]) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from slipstream.errors import SlipstreamError
@@ -286,7 +287,7 @@ class SequenceKV:
     num_unheld: int = 0           # hybrid cache: leading blocks whose local part this sequence does not hold
     # the slots of the table's first blocks as (those blocks, their slots): `read_slots` of a scattered
     # table slices it instead of recomputing every slot at every decode step
-    _gathered: tuple[list[int], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _gathered: tuple[list[int], torch.Tensor, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def blocks_needed(self, total_tokens: int) -> int:
         return max(0, -(-total_tokens // self.cache.block_size) - len(self.block_table))
@@ -298,6 +299,11 @@ class SequenceKV:
             if isinstance(self.cache, HybridKVCache):
                 self.cache.attach_parts(new)
             self.block_table += new
+
+    def slot(self, pos: int) -> int:
+        """The cache slot of position `pos` (reserved)."""
+        bs = self.cache.block_size
+        return self.block_table[pos // bs] * bs + pos % bs
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.cache.block_size
@@ -321,6 +327,16 @@ class SequenceKV:
         rng = self.contiguous_range(end)
         return rng if rng is not None else self._gathered_slots(end)
 
+    def read_ids(self, end: int) -> tuple[int, int] | np.ndarray:
+        """`read_slots` with slot ids as a numpy array (int64, sharing the cached tensor's memory): slicing
+        it costs a fraction of a tensor slice, which matters once per row of every decode step."""
+        rng = self.contiguous_range(end)
+        if rng is not None:
+            return rng
+        self._gathered_slots(end)
+        assert self._gathered is not None
+        return self._gathered[2][:end]
+
     def _gathered_slots(self, end: int) -> torch.Tensor:
         """`slots(0, end)` sliced from the cached slots of the whole table, rebuilt when the table has
         grown past them or changed (compared with the table itself, so an in-place change is seen)."""
@@ -332,7 +348,7 @@ class SequenceKV:
         if have is None or len(have[0]) < nb or have[0] != self.block_table[:len(have[0])]:
             blocks = list(self.block_table)
             slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)).reshape(-1)
-            self._gathered = have = (blocks, slots)
+            self._gathered = have = (blocks, slots, slots.numpy())
         return have[1][:end]
 
     def drop_outside_window(self) -> int:

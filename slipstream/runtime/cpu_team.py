@@ -30,6 +30,7 @@ from slipstream.kernels.cpu.abi import ACT_GELU_TANH, ACT_SILU, SSAct, SSLayer, 
 from slipstream.kv.blocks import HybridKVCache
 from slipstream.runtime import cpu_plan
 from slipstream.runtime.cpu_load import NeighbourLoad, team_size
+from slipstream.step import DecodeRows
 from slipstream.weights.moe import MoeLayer
 
 # the KV cache's element types the step reads and writes: fp32, or fp16 (K and V rounded to half precision
@@ -68,6 +69,34 @@ def _unhandled(c: Any) -> str | None:
     if kind not in (None, "default", "linear", "llama3", "longrope"):
         return f"{kind} RoPE scaling"
     return None
+
+
+class RopeTable:
+    """cos and sin of the rotary angles of positions 0..len-1 (float32 [P, rotary / 2] numpy arrays, grown
+    by doubling): a step's rows are looked up instead of computed, the same values (each entry is
+    cos(float32(p) * inv_freq[j]) either way) for a row copy instead of four tensor ops per step."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
+        self.cos = self.sin = np.zeros((0, int(self.inv_freq.numel())), dtype=np.float32)
+        self.cos_addr = self.sin_addr = 0
+        self.row_bytes = 4 * int(self.inv_freq.numel())
+
+    def cover(self, end: int) -> None:
+        """Make positions up to `end` - 1 present."""
+        if end > len(self.cos):
+            n = max(end, 2 * len(self.cos), 256)
+            freqs = torch.arange(n, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            self.cos, self.sin = freqs.cos().numpy(), freqs.sin().numpy()
+            self.cos_addr, self.sin_addr = self.cos.ctypes.data, self.sin.ctypes.data
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `positions` ([T] integers) as contiguous [T, rotary / 2] tensors."""
+        idx = positions.to(torch.int64)
+        self.cover(int(idx.max()) + 1 if idx.numel() else 0)
+        if idx.numel() and int(idx.min()) < 0:
+            raise ValueError("negative positions")
+        return torch.from_numpy(self.cos)[idx], torch.from_numpy(self.sin)[idx]
 
 
 class _Act:
@@ -118,6 +147,21 @@ class _Buffers:
                       self.logits.data_ptr(), self.next_tokens.data_ptr())
         self.moe_fields = self.moe_args()
         self.logits_np, self.next_tokens_np = self.logits.numpy(), self.next_tokens.numpy()
+        # `forward_rows`' inputs, filled in place each step, and its SSStep (the fixed fields set once)
+        half = dec._rope.cos.shape[1]
+        self.tokens_np = np.zeros(rows, dtype=np.int64)
+        self.write_np = np.zeros(rows, dtype=np.int64)
+        self.starts_np = np.zeros(rows + 1, dtype=np.int64)
+        self.out_rows_np = np.arange(out_rows, dtype=np.int64)
+        self.cos_np, self.sin_np = np.zeros((rows, half), np.float32), np.zeros((rows, half), np.float32)
+        self.cos_l_np, self.sin_l_np = np.zeros((rows, half), np.float32), np.zeros((rows, half), np.float32)
+        self.slots_np = np.zeros(0, dtype=np.int64)
+        self.slots_addr = 0
+        self.cos_addr, self.sin_addr = self.cos_np.ctypes.data, self.sin_np.ctypes.data
+        self.cos_l_addr, self.sin_l_addr = self.cos_l_np.ctypes.data, self.sin_l_np.ctypes.data
+        self.args = SSStep(0, 0, self.tokens_np.ctypes.data, self.write_np.ctypes.data, None,
+                           self.starts_np.ctypes.data, None, None, self.x.data_ptr(), *self.fixed, 0, 0,
+                           self.out_rows_np.ctypes.data, None, None, _ptr(self.tmp), *self.moe_fields, None, None)
 
     def moe_args(self) -> tuple:
         """SSStep's MoE fields (nulls for a dense model)."""
@@ -190,9 +234,14 @@ class CpuTeamDecoder:
                               float(c.embed_scale or 0.0), c.rope_dim, float(c.attn_softcap or 0.0),
                               float(c.final_softcap or 0.0), 0)
         self._bufs: _Buffers | None = None
+        self._rope = RopeTable(model.inv_freq)
+        self._rope_local = None if model.inv_freq_local is None else RopeTable(model.inv_freq_local)
+        self._arange = np.zeros(0, dtype=np.int64)   # slot ids 0, 1, ...: a range read points into it
+        self._ids_addr = 0
         # task tables by (rows, output rows, argmax), validated once each; the most recent kept
-        self._tables: OrderedDict[tuple[int, int, bool], np.ndarray] = OrderedDict()
+        self._tables: OrderedDict[tuple[int, int, bool], tuple[np.ndarray, int]] = OrderedDict()
         self._events = np.zeros(0, dtype=np.int32)
+        self._events_addr = self._events.ctypes.data
 
     def _fit_team(self) -> None:
         """Resize the team to the cores the rest of the machine leaves free (at most once per window)."""
@@ -264,20 +313,22 @@ class CpuTeamDecoder:
             self._bufs = b
         return b
 
-    def _table(self, rows: int, n_out: int, argmax: bool) -> np.ndarray:
+    def _table(self, rows: int, n_out: int, argmax: bool) -> tuple[np.ndarray, int]:
+        """The task table of a step (and its address)."""
         key = (rows, n_out, argmax)
-        table = self._tables.get(key)
-        if table is None:
+        entry = self._tables.get(key)
+        if entry is None:
             table = cpu_plan.build(self.shape, rows, self.threads, argmax, out_rows=n_out)
             cpu_plan.validate(table, self.shape, rows)
-            self._tables[key] = table
+            self._tables[key] = entry = (table, table.ctypes.data)
             if len(self._tables) > 64:
                 self._tables.popitem(last=False)
             if cpu_plan.num_events(table) > len(self._events):
                 self._events = np.zeros(cpu_plan.num_events(table), dtype=np.int32)
+                self._events_addr = self._events.ctypes.data
         else:
             self._tables.move_to_end(key)
-        return table
+        return entry
 
     @staticmethod
     def _rows(step: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,6 +357,81 @@ class CpuTeamDecoder:
         starts[1:] = ctx_all.cumsum(0)
         return slots, starts
 
+    def _read_ptr(self, rows: DecodeRows, st: _Buffers) -> int:
+        """The address of every row's context slots, concatenated (int64), and `st.starts_np` filled: a lone
+        row's slots are read where they are (a sequence's slot ids, or the slot ids 0, 1, ... for a range),
+        several rows' are copied into `st.slots_np`."""
+        reads = rows.reads
+        if len(reads) == 1:
+            r = reads[0]
+            if isinstance(r, tuple):
+                st.starts_np[1] = r[1] - r[0]
+                self._ids(r[1])
+                return self._ids_addr + 8 * r[0]
+            if r.dtype == np.int64 and r.flags.c_contiguous:
+                st.starts_np[1] = len(r)
+                return r.ctypes.data
+        lengths = [r[1] - r[0] if isinstance(r, tuple) else len(r) for r in reads]
+        st.starts_np[1:len(reads) + 1] = np.cumsum(lengths)
+        total = sum(lengths)
+        if len(st.slots_np) < total:
+            st.slots_np = np.zeros(max(total, 2 * len(st.slots_np)), dtype=np.int64)
+            st.slots_addr = st.slots_np.ctypes.data
+        o = 0
+        for r, n in zip(reads, lengths):
+            st.slots_np[o:o + n] = self._ids(r[1])[r[0]:r[1]] if isinstance(r, tuple) else r
+            o += n
+        return st.slots_addr
+
+    def _ids(self, end: int) -> np.ndarray:
+        """The slot ids 0 .. at least `end` - 1 (grown by doubling)."""
+        if len(self._arange) < end:
+            self._arange = np.arange(max(end, 2 * len(self._arange), 4096), dtype=np.int64)
+            self._ids_addr = self._arange.ctypes.data
+        return self._arange
+
+    def forward_rows(self, rows: DecodeRows, tokens_only: bool = False) -> torch.Tensor | list[int]:
+        """`forward` of a decode step given as lists (every row's output; with `tokens_only` the greedy
+        tokens as a list): the same native call, its arrays filled in place and the rotary rows looked up,
+        with no tensor built per step (addresses are kept as ints: numpy's `.ctypes` costs microseconds)."""
+        B = len(rows.token_ids)
+        if self._hybrid or self.model.longrope is not None or B == 0:
+            out = self.forward(rows.step(), tokens_only)
+            return out.tolist() if tokens_only else out
+        if min(rows.positions) < 0:
+            raise ValueError("negative positions")
+        st = self._buffers(B, B)
+        rope, local = self._rope, self._rope_local
+        rope.cover(max(rows.positions) + 1)
+        if local is not None:
+            local.cover(len(rope.cos))
+        a = st.args
+        a.rows = a.n_out = B
+        if B == 1:   # the rotary rows where they are in the table
+            at = rows.positions[0] * rope.row_bytes
+            st.tokens_np[0], st.write_np[0] = rows.token_ids[0], rows.write_slots[0]
+            a.cos, a.sin = rope.cos_addr + at, rope.sin_addr + at
+            if local is not None:
+                at = rows.positions[0] * local.row_bytes
+                a.cos_local, a.sin_local = local.cos_addr + at, local.sin_addr + at
+        else:
+            st.tokens_np[:B], st.write_np[:B] = rows.token_ids, rows.write_slots
+            np.take(rope.cos, rows.positions, axis=0, out=st.cos_np[:B])
+            np.take(rope.sin, rows.positions, axis=0, out=st.sin_np[:B])
+            a.cos, a.sin = st.cos_addr, st.sin_addr
+            if local is not None:
+                np.take(local.cos, rows.positions, axis=0, out=st.cos_l_np[:B])
+                np.take(local.sin, rows.positions, axis=0, out=st.sin_l_np[:B])
+                a.cos_local, a.sin_local = st.cos_l_addr, st.sin_l_addr
+        a.read_slots = self._read_ptr(rows, st)
+        table, table_addr = self._table(B, B, tokens_only)
+        self._fit_team()
+        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(a), table_addr, len(table),
+                         self._events_addr, len(self._events), int(self.exact))
+        if tokens_only:
+            return st.next_tokens_np[:B].tolist()
+        return torch.from_numpy(st.logits_np[:B].copy())   # a numpy copy: see `forward`
+
     @torch.inference_mode()
     def forward(self, step: Any, tokens_only: bool = False) -> torch.Tensor:
         """Logits (float32) of the step's `logits_rows`; with `tokens_only` just their greedy tokens
@@ -319,18 +445,15 @@ class CpuTeamDecoder:
         st = self._buffers(B, n_out)
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
-        pos = step.positions.to(torch.float32)[:, None]
         if m.longrope is not None:   # Phi-3: each sequence's factors (short or long), scaled; first halves
             cos_t, sin_t = m.longrope.tables(step)
             half = cos_t.shape[-1] // 2
             cos, sin = cos_t[:, 0, :half].contiguous(), sin_t[:, 0, :half].contiguous()
         else:
-            freqs = pos * m.inv_freq[None, :]
-            cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+            cos, sin = self._rope.rows(step.positions)
         cos_l = sin_l = None
-        if m.inv_freq_local is not None:   # Gemma 3's sliding layers rotate with their own base
-            freqs_l = pos * m.inv_freq_local[None, :]
-            cos_l, sin_l = freqs_l.cos().contiguous(), freqs_l.sin().contiguous()
+        if self._rope_local is not None:   # Gemma 3's sliding layers rotate with their own base
+            cos_l, sin_l = self._rope_local.rows(step.positions)
         slots, starts = self._rows(step)
         write = step.write_slots.to(torch.int64).contiguous()
         write_l = slots_l = None
@@ -340,10 +463,10 @@ class CpuTeamDecoder:
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), *st.fixed,
                       n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields,
                       _ptr(write_l), _ptr(slots_l))
-        table = self._table(B, n_out, tokens_only)
+        table, table_addr = self._table(B, n_out, tokens_only)
         self._fit_team()
-        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table.ctypes.data, len(table),
-                         self._events.ctypes.data, len(self._events), int(self.exact))
+        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table_addr, len(table),
+                         self._events_addr, len(self._events), int(self.exact))
         out = st.next_tokens_np if tokens_only else st.logits_np
         # a numpy copy (one thread): torch's clone runs on its intra-op threads, which wait on this team's
         # spinning threads right after the step (measured ~10 ms per step on the 2-core CPU against ~20 us)

@@ -17,8 +17,8 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime import cpu_plan
-from slipstream.runtime.cpu_team import CpuTeamDecoder
-from slipstream.step import StepBuilder
+from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable
+from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
@@ -374,3 +374,52 @@ def test_amx_tiles_in_the_step_agree_with_the_vector_kernels(model_name, request
         agree += (tiles.argmax(-1) == paired.argmax(-1)).sum().item()
         total += len(prompts)
     assert agree >= total - 1, (agree, total)
+
+
+@pytest.mark.parametrize("local_rope", [False, True])
+def test_rows_given_as_lists_are_the_same_step(local_rope):
+    """`forward_rows` (a decode step as lists, its arrays filled in place, rotary rows looked up in a
+    table) computes bitwise what `forward` computes from the same step as tensors: one row reading a
+    slot range, one row reading scattered slot ids, and several rows of both kinds; logits and greedy
+    tokens. With `local_rope` the sliding layers rotate with a base of their own (Gemma 3)."""
+    extra = dict(layer_types=("sliding", "sliding"), sliding_window=64, rope_local_theta=10000.0,
+                 rope_theta=1e6) if local_rope else {}
+    cfg = shape_config("tiny", hidden_size=128, head_dim=32, intermediate_size=256, num_layers=2, **extra)
+    model = random_llama(cfg, seed=11)
+    assert (model.inv_freq_local is not None) == local_rope
+    kv = model.new_kv_cache(64)
+    team = CpuTeamDecoder(model, kv)
+    assert not team._hybrid                        # (a hybrid cache's steps go through `forward`)
+    runs = [SequenceKV(kv) for _ in range(3)]
+    runs[0].reserve(40)                            # consecutive blocks: a slot range
+    for _ in range(3):                             # interleaved blocks: scattered slot ids
+        runs[1].reserve(16 * (len(runs[1].block_table) + 1))
+        runs[2].reserve(16 * (len(runs[2].block_table) + 1))
+    prompts = [[1, 5, 9, 14, 2, 7], list(range(3, 40)), [4, 8, 15, 16, 23]]
+    for s, p in zip(runs, prompts):
+        model.forward(prefill_step(s, p, extra=4), kv)
+    assert isinstance(runs[0].read_ids(7), tuple) and isinstance(runs[1].read_ids(38), np.ndarray)
+    for rows in ([0], [1], [2, 0, 1], [1, 2]):
+        seqs = [runs[i] for i in rows]
+        positions = [len(prompts[i]) for i in rows]
+        lists = decode_rows(seqs, [20 + i for i in rows], positions)
+        tensors = lists.step()
+        assert torch.equal(tensors.write_slots, torch.cat([s.slots(p, p + 1) for s, p in zip(seqs, positions)]))
+        for s, p, r in zip(seqs, positions, lists.reads):
+            want = s.read_slots(p + 1)
+            assert r == want if isinstance(want, tuple) else torch.equal(torch.from_numpy(r), want)
+        want = team.forward(tensors)               # each step rewrites the same KV entries
+        assert torch.equal(team.forward_rows(lists), want), rows
+        assert team.forward_rows(lists, tokens_only=True) == want.argmax(-1).tolist()
+    with pytest.raises(ValueError):
+        team.forward_rows(decode_rows([runs[0]], [1], [-1]))
+
+
+def test_rotary_table_rows_equal_the_angles_computed_per_step():
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    table = RopeTable(inv)
+    positions = torch.tensor([0, 1, 17, 255, 256, 5000, 3])
+    cos, sin = table.rows(positions)
+    freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+    assert torch.equal(cos, freqs.cos()) and torch.equal(sin, freqs.sin())
+    assert len(table.cos) >= 5001 and table.cos_addr == table.cos.ctypes.data
