@@ -31,6 +31,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--engines", default="slipstream,slipstream-exact,llama.cpp,transformers")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--llama-path", default=None, help="passed to cpu_decode.py: another llama-cpp-python build")
+    ap.add_argument("--llama-batch", default=None, help="passed to cpu_decode.py: llama.cpp's n_batch")
     a = ap.parse_args()
     files = a.files
     if not files:
@@ -49,7 +51,9 @@ def main() -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             dec = run([sys.executable, str(HERE / "cpu_decode.py"), "--model", f, "--engines", a.engines,
                        "--runs", str(a.runs), "--max-tokens", str(a.max_tokens), "--no-bandwidth",
-                       "--json", tmp.name])
+                       "--json", tmp.name]
+                      + (["--llama-path", a.llama_path] if a.llama_path else [])
+                      + (["--llama-batch", a.llama_batch] if a.llama_batch else []))
             print(dec.stdout[-1500:], flush=True)
             d = json.loads(Path(tmp.name).read_text()) if dec.returncode == 0 else {}
         tps = {k: v.get("decode_tok_s", {}).get("median") for k, v in d.get("summary", {}).items()}
