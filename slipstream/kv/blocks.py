@@ -333,23 +333,28 @@ class SequenceKV:
         rng = self.contiguous_range(end)
         if rng is not None:
             return rng
-        self._gathered_slots(end)
-        assert self._gathered is not None
-        return self._gathered[2][:end]
+        have = self._gathered_table(end)
+        return have[2][:end] if have is not None else self.slots(0, end).numpy()
 
     def _gathered_slots(self, end: int) -> torch.Tensor:
-        """`slots(0, end)` sliced from the cached slots of the whole table, rebuilt when the table has
-        grown past them or changed (compared with the table itself, so an in-place change is seen)."""
+        """`slots(0, end)` sliced from the cached slots of the whole table."""
+        have = self._gathered_table(end)
+        return have[1][:end] if have is not None else self.slots(0, end)
+
+    def _gathered_table(self, end: int) -> tuple[list[int], torch.Tensor, np.ndarray] | None:
+        """The cached slots of the whole table (a tensor and a numpy view of it), rebuilt when the table
+        has grown past them or changed (compared with the table itself, so an in-place change is seen);
+        None when tokens [0, end) are not all reserved (`slots` raises the error)."""
         bs = self.cache.block_size
         nb = -(-end // bs)
         if nb > len(self.block_table):
-            return self.slots(0, end)   # slots not reserved: its error
+            return None
         have = self._gathered
         if have is None or len(have[0]) < nb or have[0] != self.block_table[:len(have[0])]:
             blocks = list(self.block_table)
-            slots = (torch.tensor(blocks, dtype=torch.long)[:, None] * bs + torch.arange(bs)).reshape(-1)
-            self._gathered = have = (blocks, slots, slots.numpy())
-        return have[1][:end]
+            ids = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)).reshape(-1)
+            self._gathered = have = (blocks, torch.from_numpy(ids), ids)
+        return have
 
     def drop_outside_window(self) -> int:
         """Give back the leading blocks that no later token can see when every layer attends over its
