@@ -353,6 +353,9 @@ class _Reserved(ContiguousSlots):
     def read_slots(self, end: int) -> tuple[int, int]:
         return (self.base, self.base + self.size)
 
+    def read_ids(self, end: int) -> tuple[int, int]:
+        return self.read_slots(end)
+
 
 class StaticPath:
     """GraphDecoder / MegakernelDecoder: static(B), fill(s, step), replay(s), device-side feedback."""

@@ -73,10 +73,10 @@ class StepInput:
 
 @dataclass
 class DecodeRows:
-    """A decode step (one new token per sequence, every row's output wanted) as plain lists. A runtime
-    whose step runs on the host takes it through `forward_rows` and fills its own arrays in place: on
-    a 2-core CPU the tensors of a `StepInput` and their conversions cost ~0.2 ms per step, 6-7% of a
-    batch-1 step of the default model (benchmarks/host_overhead.py)."""
+    """A decode step (one new token per sequence, every row's output wanted) as plain lists of Python
+    ints. A runtime whose step runs on the host takes it through `forward_rows` and fills its own arrays
+    in place: on the 2-core Xeon the tensors of a `StepInput`, their conversions and slices cost ~0.18 ms
+    per batch-1 token, 6% of it (benchmarks/host_overhead.py: 0.30 -> 0.12 ms)."""
     token_ids: list[int]
     positions: list[int]
     write_slots: list[int]

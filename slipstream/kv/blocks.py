@@ -285,7 +285,8 @@ class SequenceKV:
     last_hash: int | None = None  # hash of the last registered block (the chain's parent)
     num_dropped: int = 0          # leading blocks given back (outside the window); they map to the spare
     num_unheld: int = 0           # hybrid cache: leading blocks whose local part this sequence does not hold
-    # the slots of the table's first blocks as (those blocks, their slots): `read_slots` of a scattered
+    # the slots of the table's first blocks as (those blocks, their slots as a tensor and as a numpy view of
+    # it): `read_slots` / `read_ids` of a scattered
     # table slices it instead of recomputing every slot at every decode step
     _gathered: tuple[list[int], torch.Tensor, np.ndarray] | None = field(default=None, repr=False, compare=False)
 

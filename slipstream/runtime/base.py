@@ -12,8 +12,9 @@ Every runtime (eager, native CPU, CUDA graph, megakernel, and the ones to come) 
 
 A runtime may also offer `forward_rows(rows: DecodeRows, tokens_only=False) -> torch.Tensor | list[int]`,
 `forward` of a decode step given as plain lists (`step.DecodeRows`; with `tokens_only` the greedy tokens
-as a list): the engine then sends its decode steps there, and a runtime on the host fills its arrays in
-place instead of reading tensors built for it.
+as a list): the engine then sends its plain decode steps there (not verification rows, not steps that carry
+prompt chunks, not when an MTP proposer needs the hidden states), and a runtime on the host fills its
+arrays in place instead of reading tensors built for it.
 
 A runtime may also declare `prefill_tokens: int`, the most prompt tokens (rows of several tokens per
 sequence, attending causally) one forward takes; without it, prefill runs on the eager step.

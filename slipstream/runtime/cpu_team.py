@@ -154,7 +154,8 @@ class _Buffers:
         self.starts_np = np.zeros(rows + 1, dtype=np.int64)
         self.out_rows_np = np.arange(out_rows, dtype=np.int64)
         self.cos_np, self.sin_np = np.zeros((rows, half), np.float32), np.zeros((rows, half), np.float32)
-        self.cos_l_np, self.sin_l_np = np.zeros((rows, half), np.float32), np.zeros((rows, half), np.float32)
+        local = dec._rope_local is not None   # Gemma 3's sliding layers' own rotary rows
+        self.cos_l_np, self.sin_l_np = (np.zeros((rows if local else 0, half), np.float32) for _ in range(2))
         self.slots_np = np.zeros(0, dtype=np.int64)
         self.slots_addr = 0
         self.cos_addr, self.sin_addr = self.cos_np.ctypes.data, self.sin_np.ctypes.data
@@ -395,7 +396,11 @@ class CpuTeamDecoder:
         tokens as a list): the same native call, its arrays filled in place and the rotary rows looked up,
         with no tensor built per step (addresses are kept as ints: numpy's `.ctypes` costs microseconds)."""
         B = len(rows.token_ids)
-        if self._hybrid or self.model.longrope is not None or B == 0:
+        if B == 0:
+            raise ValueError("an empty step")
+        if not len(rows.positions) == len(rows.write_slots) == len(rows.reads) == B:
+            raise ValueError("the step's lists differ in length")
+        if self._hybrid or self.model.longrope is not None:
             out = self.forward(rows.step(), tokens_only)
             return out.tolist() if tokens_only else out
         if min(rows.positions) < 0:
@@ -408,11 +413,11 @@ class CpuTeamDecoder:
         a = st.args
         a.rows = a.n_out = B
         if B == 1:   # the rotary rows where they are in the table
-            at = rows.positions[0] * rope.row_bytes
+            at = int(rows.positions[0]) * rope.row_bytes
             st.tokens_np[0], st.write_np[0] = rows.token_ids[0], rows.write_slots[0]
             a.cos, a.sin = rope.cos_addr + at, rope.sin_addr + at
             if local is not None:
-                at = rows.positions[0] * local.row_bytes
+                at = int(rows.positions[0]) * local.row_bytes
                 a.cos_local, a.sin_local = local.cos_addr + at, local.sin_addr + at
         else:
             st.tokens_np[:B], st.write_np[:B] = rows.token_ids, rows.write_slots

@@ -376,30 +376,35 @@ def test_amx_tiles_in_the_step_agree_with_the_vector_kernels(model_name, request
     assert agree >= total - 1, (agree, total)
 
 
-@pytest.mark.parametrize("local_rope", [False, True])
-def test_rows_given_as_lists_are_the_same_step(local_rope):
+@pytest.mark.parametrize("local_rope,f16,exact", [(False, False, False), (True, False, False), (False, True, False),
+                                                 (False, False, True)])
+def test_rows_given_as_lists_are_the_same_step(local_rope, f16, exact):
     """`forward_rows` (a decode step as lists, its arrays filled in place, rotary rows looked up in a
     table) computes bitwise what `forward` computes from the same step as tensors: one row reading a
-    slot range, one row reading scattered slot ids, and several rows of both kinds; logits and greedy
-    tokens. With `local_rope` the sliding layers rotate with a base of their own (Gemma 3)."""
+    slot range, one row reading scattered slot ids, a row of 600 tokens of context (attended in parts),
+    several rows of both kinds, and ten rows (past the first buffers' eight); logits and greedy tokens.
+    With `local_rope` the sliding layers rotate with a base of their own (Gemma 3); also an fp16 cache
+    and the exact path."""
     extra = dict(layer_types=("sliding", "sliding"), sliding_window=64, rope_local_theta=10000.0,
                  rope_theta=1e6) if local_rope else {}
     cfg = shape_config("tiny", hidden_size=128, head_dim=32, intermediate_size=256, num_layers=2, **extra)
     model = random_llama(cfg, seed=11)
     assert (model.inv_freq_local is not None) == local_rope
-    kv = model.new_kv_cache(64)
-    team = CpuTeamDecoder(model, kv)
+    kv = model.new_kv_cache(80, dtype=torch.float16 if f16 else torch.float32)
+    team = CpuTeamDecoder(model, kv, exact=exact)
     assert not team._hybrid                        # (a hybrid cache's steps go through `forward`)
-    runs = [SequenceKV(kv) for _ in range(3)]
+    runs = [SequenceKV(kv) for _ in range(10)]
     runs[0].reserve(40)                            # consecutive blocks: a slot range
     for _ in range(3):                             # interleaved blocks: scattered slot ids
         runs[1].reserve(16 * (len(runs[1].block_table) + 1))
         runs[2].reserve(16 * (len(runs[2].block_table) + 1))
-    prompts = [[1, 5, 9, 14, 2, 7], list(range(3, 40)), [4, 8, 15, 16, 23]]
+    g = torch.Generator().manual_seed(2)
+    prompts = [[1, 5, 9, 14, 2, 7], list(range(3, 40)), [4, 8, 15, 16, 23],
+               torch.randint(3, 250, (600,), generator=g).tolist()] + [[30 + i, 2, 9] for i in range(6)]
     for s, p in zip(runs, prompts):
         model.forward(prefill_step(s, p, extra=4), kv)
     assert isinstance(runs[0].read_ids(7), tuple) and isinstance(runs[1].read_ids(38), np.ndarray)
-    for rows in ([0], [1], [2, 0, 1], [1, 2]):
+    for rows in ([0], [1], [3], [2, 0, 1], [1, 2], list(range(10)), [0]):
         seqs = [runs[i] for i in rows]
         positions = [len(prompts[i]) for i in rows]
         lists = decode_rows(seqs, [20 + i for i in rows], positions)
@@ -413,13 +418,19 @@ def test_rows_given_as_lists_are_the_same_step(local_rope):
         assert team.forward_rows(lists, tokens_only=True) == want.argmax(-1).tolist()
     with pytest.raises(ValueError):
         team.forward_rows(decode_rows([runs[0]], [1], [-1]))
+    with pytest.raises(ValueError):
+        team.forward_rows(decode_rows([], [], []))
 
 
-def test_rotary_table_rows_equal_the_angles_computed_per_step():
-    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+@pytest.mark.parametrize("rotary", [2, 16, 20, 64, 96, 128])
+@pytest.mark.parametrize("base", [10000.0, 1e6])
+def test_rotary_table_rows_equal_the_angles_computed_per_step(rotary, base):
+    """What the native step read before the table: cos and sin of float32(position) x inv_freq, computed
+    per step (any width: the vectorised loops' tails included)."""
+    inv = 1.0 / (base ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary))
     table = RopeTable(inv)
-    positions = torch.tensor([0, 1, 17, 255, 256, 5000, 3])
+    positions = torch.tensor([0, 1, 17, 255, 256, 5000, 3, 131071])
     cos, sin = table.rows(positions)
     freqs = positions.to(torch.float32)[:, None] * inv[None, :]
     assert torch.equal(cos, freqs.cos()) and torch.equal(sin, freqs.sin())
-    assert len(table.cos) >= 5001 and table.cos_addr == table.cos.ctypes.data
+    assert len(table.cos) >= 131072 and table.cos_addr == table.cos.ctypes.data
