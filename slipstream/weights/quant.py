@@ -99,6 +99,10 @@ class Linear:
                                         # scales: None (its offsets are -8 x the scales, see `mins`)
     bias: torch.Tensor | None = None
     parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
+    # Q4_F32 from Q4_K: the 6-bit scales and mins (uint8 [N, K/32]) and the super-blocks' fp16 d and dmin
+    # ([N, K/256, 2]) the fp32 planes were made of, kept until `ss_mat` has built the compact copy the AVX-512
+    # VNNI kernels read in place of the planes (20 bytes per 16 x 32 weights instead of 64; `_tile_k`)
+    kq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def packed(self) -> bool:
@@ -128,7 +132,7 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        own = sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias)
+        own = sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min, self.bias, *(self.kq or ()))
                   if t is not None)
         return own + sum(p.nbytes for p in self.parts or ())
 
@@ -300,7 +304,7 @@ class Linear:
             return Linear.dense(self.dequantize(rows), None if self.bias is None else self.bias[rows])
         pick = lambda t: None if t is None else t[rows].contiguous()  # noqa: E731
         return Linear(int(rows.numel()), self.k, pick(self.data), self.fmt, pick(self.scale),
-                      pick(self.min), pick(self.bias))
+                      pick(self.min), pick(self.bias), kq=None if self.kq is None else tuple(map(pick, self.kq)))
 
     # -- maths ------------------------------------------------------------------------------------
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -392,13 +396,20 @@ class Linear:
         half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
         m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
                   ptr(self.bias) if with_bias else None, kind, self.n, self.k, half)
-        if _tile_planes():
+        if tile_planes():
             # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a
-            # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group
+            # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group; a
+            # Q4_K matrix's copy is its compact form (`_tile_k`), which the kernels widen to the planes' values
             if getattr(self, "_planes_by_tile", None) is None:
-                self._planes_by_tile = (_tile_ordered(self.scale),
-                                        None if self.min is None else _tile_ordered(self.min))
-            m.scale_t, m.min_t = self._planes_by_tile[0].data_ptr(), ptr(self._planes_by_tile[1])
+                if self.kq is not None and self.scale.dtype == torch.float32 and self.k % 256 == 0:
+                    self._planes_by_tile = _tile_k(*self.kq)
+                    self.kq = None   # the copy holds all of it now
+                else:
+                    self._planes_by_tile = (_tile_ordered(self.scale),
+                                            None if self.min is None else _tile_ordered(self.min))
+            planes = self._planes_by_tile
+            m.scale_t, m.min_t = planes[0].data_ptr(), ptr(planes[1])
+            m.tile_k = int(len(planes) == 3)
         return m
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
@@ -477,8 +488,11 @@ def concat_rows(parts: list[Linear]) -> Linear:
     mins = [p.min for p in parts]
     if any(m is None for m in mins) and not all(m is None for m in mins):
         mins = [p.mins() for p in parts]   # Q4_0 beside other 4-bit parts: its min plane made
+    kq = None
+    if all(p.kq is not None for p in parts):   # Q4_K throughout: their compact scales stacked too
+        kq = tuple(_cat_rows([p.kq[i] for p in parts]) for i in range(3))  # type: ignore[index]
     return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
-                  cat([p.scale for p in parts]), cat(mins), bias)
+                  cat([p.scale for p in parts]), cat(mins), bias, kq=kq)  # type: ignore[arg-type]
 
 
 def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -513,11 +527,31 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_planes() -> bool:
+def tile_planes() -> bool:
     """Whether the native kernels read q4/q8 scales tile-ordered (AVX-512 VNNI and AMX builds; asked once)."""
     from slipstream.kernels.cpu import load_library
     lib = load_library()
     return bool(lib is not None and lib.ss_tile_planes())
+
+
+def _tile_k(scales: torch.Tensor, mins: torch.Tensor, dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A Q4_K matrix's compact tile copy (kernels/cpu/amx.h, tile_scales): for each block of 16 rows, the
+    6-bit scales [G][16] (a group's 16 rows side by side) followed by the super-blocks' fp16 d [G/8][16];
+    the mins and dmin likewise. Rows past N are zero. The third item marks the form."""
+    n, g = scales.shape
+    pad = -n % 16
+
+    def plane(six: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
+        a, b = six.numpy(), sup.numpy().view(np.uint16)
+        if pad:
+            a = np.concatenate([a, np.zeros((pad, g), a.dtype)])
+            b = np.concatenate([b, np.zeros((pad, b.shape[1]), b.dtype)])
+        nb = a.shape[0] // 16
+        lo = a.reshape(nb, 16, g).transpose(0, 2, 1).reshape(nb, 16 * g)
+        hi = np.ascontiguousarray(b.reshape(nb, 16, g // 8).transpose(0, 2, 1)).reshape(nb, 2 * g).view(np.uint8)
+        return aligned(np.concatenate([lo, hi], axis=1))
+
+    return plane(scales, dd[..., 0].contiguous()), plane(mins, dd[..., 1].contiguous()), "q4_k"
 
 
 def _tile_ordered(plane: torch.Tensor) -> torch.Tensor:

@@ -434,3 +434,42 @@ def test_rotary_table_rows_equal_the_angles_computed_per_step(rotary, base):
     freqs = positions.to(torch.float32)[:, None] * inv[None, :]
     assert torch.equal(cos, freqs.cos()) and torch.equal(sin, freqs.sin())
     assert len(table.cos) >= 131072 and table.cos_addr == table.cos.ctypes.data
+
+
+def _q4k_random(n: int, k: int, rng: np.random.Generator) -> Linear:
+    """A Q4_K matrix of random super-blocks (random 6-bit scales, mins and codes; small fp16 d, dmin), loaded
+    as a GGUF's is."""
+    from slipstream.weights.gguf import _q4k_linear
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for lo, hi in ((0, 2), (2, 4)):
+        blocks[..., lo:hi] = rng.uniform(0.001, 0.01, (n, k // 256)).astype(np.float16)[..., None].view(np.uint8)
+    return _q4k_linear(blocks.reshape(-1), n, k)
+
+
+def test_q4_k_compact_scales_give_the_planes_results():
+    """A Q4_K matrix's scales reach the AVX-512 VNNI kernels (tiles and twin) in a compact copy (6-bit
+    scales and mins with the super-blocks' fp16 d and dmin, widened in registers): the step's logits are
+    bitwise those of the same model reading the fp32 planes' tile copy, at 1 row (twin) and 8 (tiles)."""
+    rng = np.random.default_rng(4)
+    cfg = shape_config("tiny", hidden_size=256, head_dim=64, intermediate_size=512, num_layers=2)
+    compact = random_llama(cfg, seed=3)
+    compact.layers = [dataclasses.replace(L, qkv=_q4k_random(L.qkv.n, L.qkv.k, rng), o=_q4k_random(L.o.n, L.o.k, rng),
+                                          gate_up=_q4k_random(L.gate_up.n, L.gate_up.k, rng),
+                                          down=_q4k_random(L.down.n, L.down.k, rng)) for L in compact.layers]
+    planes = random_llama(cfg, seed=3)   # the same weights without the compact scales
+    planes.layers = [dataclasses.replace(L, **{f: dataclasses.replace(getattr(L, f), kq=None)
+                                               for f in ("qkv", "o", "gate_up", "down")}) for L in compact.layers]
+    outs = []
+    for model in (compact, planes):
+        kv = model.new_kv_cache(16)
+        team = CpuTeamDecoder(model, kv)
+        seqs = [SequenceKV(kv) for _ in range(8)]
+        for i, s in enumerate(seqs):
+            model.forward(prefill_step(s, [1 + i, 7, 9 + i], extra=4), kv)
+        outs.append([team.forward(decode_step(seqs[:b], [3] * b, [3] * b)) for b in (1, 8)])
+    tiled = bool(load_library().ss_tile_planes())   # the compact copy where the kernels read a tile copy
+    assert {len(getattr(L.qkv, "_planes_by_tile", ())) for L in compact.layers} == ({3} if tiled else {0})
+    assert {len(getattr(L.down, "_planes_by_tile", ())) for L in planes.layers} == ({2} if tiled else {0})
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][1].abs().max() > 0

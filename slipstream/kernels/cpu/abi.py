@@ -19,7 +19,8 @@ class SSMat(ctypes.Structure):
 
 
 SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
-                  ("qtype", _I), ("next", ctypes.POINTER(SSMat)), ("scale_t", _P), ("min_t", _P)]
+                  ("qtype", _I), ("next", ctypes.POINTER(SSMat)), ("scale_t", _P), ("min_t", _P), ("tile_k", _I),
+                  ("pad", _I)]
 
 
 class SSMoe(ctypes.Structure):

@@ -66,8 +66,31 @@ AI void twin_half4(const uint16_t *p, int G, float out[4][16]) {   // 16 rows x 
         _mm512_store_ps(out[2 * h + 1], _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
     }
 }
+//
+// A Q4_K matrix's compact copy (half & 2; weights/quant.py, Linear.kq): per block of 16 rows, its groups' 6-bit
+// scales [G][16] (bytes) then its super-blocks' fp16 d [G/8][16] in st, the 6-bit mins and dmin likewise in mt:
+// 20 G bytes per 16 rows instead of the fp32 planes' 64 G. d x scale and -(dmin x min) are exact in fp32, so
+// the lanes hold the very values of the planes (gguf.py's _q4k_linear).
+AI __m512 tile_k_lanes(const uint8_t *blk, int G, int g) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 16 * (int64_t)G + 32 * (g >> 3))));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * g)))), d);
+}
 AI void tile_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int q4, int G, int64_t n,
                     int live, int g4, int ng, float sw[4][16], float mw[4][16]) {
+    if ((half & 2) && (n & 15) == 0) {   // a Q4_K matrix's compact copy
+        const uint8_t *bs = (const uint8_t *)st + (n >> 4) * 20 * (int64_t)G, *bm = (const uint8_t *)mt + (n >> 4) * 20 * (int64_t)G;
+        const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+        for (int i = 0; i < 4; i++) {
+            __m512 v = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+            if (i < ng) {   // the offsets negated by their sign bit, as -(dmin x min) is (a zero included)
+                v = tile_k_lanes(bs, G, g4 + i);
+                o = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(tile_k_lanes(bm, G, g4 + i)), sign));
+            }
+            _mm512_store_ps(sw[i], v), _mm512_store_ps(mw[i], o);
+        }
+        return;
+    }
+    half &= 1;   // from here on: whether the [N][G] planes (and a plain tile-ordered copy) are fp16
     if (st && (n & 15) == 0) {   // the planes' tile-ordered copy: a group's 16 rows side by side
         const int64_t at = ((n >> 4) * G + g4) * 16;
         for (int i = 0; i < 4; i++) {
@@ -120,9 +143,11 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
         if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
     }
     if (g) return;
-    const int64_t esz = half ? 2 : 4, at = n * G * esz;
-    const char *s = (const char *)(st && (n & 15) == 0 ? st : sc), *m = (const char *)(st && (n & 15) == 0 ? mt : mn);
-    for (int64_t o = 0; o < 16 * G * esz; o += 64) {
+    const int tiles = st && (n & 15) == 0, compact = tiles && (half & 2);
+    const int64_t esz = (half & 1) ? 2 : 4, at = compact ? (n >> 4) * 20 * (int64_t)G : n * G * esz;
+    const int64_t len = compact ? 20 * (int64_t)G : 16 * G * esz;
+    const char *s = (const char *)(tiles ? st : sc), *m = (const char *)(tiles ? mt : mn);
+    for (int64_t o = 0; o < len; o += 64) {
         __builtin_prefetch(s + at + o, 0, 2);
         if (m) __builtin_prefetch(m + at + o, 0, 2);
     }

@@ -41,6 +41,7 @@ typedef struct SSMat {
     int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks
     const struct SSMat *next;
     const void *scale_t, *min_t; // q4, q8 on AVX-512 VNNI machines: scale and min as [N/16][K/32][16] (NULL: none)
+    int32_t tile_k, pad;         // 1: scale_t/min_t hold a Q4_K matrix's compact form instead (amx.h, tile_scales)
 } SSMat;
 
 // A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE): p = softmax(router h), the top k kept (renormalised to sum
@@ -366,6 +367,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     }
     const int K = m->k, G = K / 32;
     const int half = m->kind != KIND_QT && m->qtype == QT_F16;   // q4/q8 with fp16 scales
+    // the twin's and the tiles' scale reading: bit 0 fp16 [N][G] planes, bit 1 a compact Q4_K tile copy
+    const int tmode = half | (m->kind == KIND_Q4 && m->tile_k && m->scale_t ? 2 : 0);
     const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
     const int64_t row_bytes = m->kind == KIND_QT ? code_bytes : 0;
 #ifdef SS_TWIN
@@ -399,13 +402,13 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         if (tiles && n1 - n0 >= 16) {   // whole blocks of 16 weight rows on tiles, the rest on the twin
             const int blocks = (n1 - n0) / 16;
             const AmxAct xa = amx_prep(x->q, x->d, x->s, K, B);
-            amx_rows(m->q, m->scale, m->min, m->scale_t, m->min_t, half, m->kind == KIND_Q4, K, n0, blocks, &xa, B,
+            amx_rows(m->q, m->scale, m->min, m->scale_t, m->min_t, tmode, m->kind == KIND_Q4, K, n0, blocks, &xa, B,
                      m->bias, y, ystride, accumulate, pf_bytes > 0, m->n);
             n0 += 16 * blocks;
         }
 #endif
         if (n0 < n1 && m->kind == KIND_Q4)
-            twin_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, half, K, n0, n1, x->q, x->d, x->s, B, m->bias, y,
+            twin_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, tmode, K, n0, n1, x->q, x->d, x->s, B, m->bias, y,
                          ystride, accumulate, pf_bytes > 0, m->n);
         else if (n0 < n1)
             twin_rows_q8(m->q, m->scale, m->scale_t, half, K, n0, n1, x->q, x->d, B, m->bias, y, ystride, accumulate,
@@ -737,15 +740,20 @@ void ss_set_attn_prefetch(int rows) { ss_attn_pf = rows > 1 ? rows : 1; }
 
 // prefetch rows [n0, n1) of m from row n0 on, at most `budget` bytes, while *ev < count; returns bytes issued
 // (fast: the fast path's step, whose q4/q8 products on the twin and tiles read the tile-ordered copy of the
-// scale planes where there is one: the bytes of rows [n0, n1) there span the same offsets as in the planes)
+// scale planes where there is one: the bytes of rows [n0, n1) there span the same offsets as in the planes,
+// 20 G bytes per 16 rows in a compact Q4_K copy)
 static int64_t prefetch_rows(const SSMat *m, int n0, int n1, int64_t budget, _Atomic int32_t *ev, int32_t count,
                              int fast) {
     while (n0 >= m->n && m->next) n0 -= m->n, n1 -= m->n, m = m->next;
     if (n1 > m->n) n1 = m->n;
-    const int64_t code_bytes = mat_code_bytes(m), scale_bytes = mat_scale_bytes(m);
+    const int64_t code_bytes = mat_code_bytes(m);
+    int64_t scale_bytes = mat_scale_bytes(m);
     const void *sc = m->scale, *mn = m->min;
 #ifdef SS_TWIN
-    if (fast && twin_usable && m->scale_t) sc = m->scale_t, mn = m->min_t;
+    if (fast && twin_usable && m->scale_t) {
+        sc = m->scale_t, mn = m->min_t;
+        if (m->tile_k) scale_bytes = 5 * (int64_t)(m->k / 32) / 4;
+    }
 #else
     (void)fast;
 #endif
