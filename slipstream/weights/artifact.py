@@ -36,18 +36,30 @@ def is_artifact(path: Path) -> bool:
 
 
 def put_linear(tensors: dict[str, torch.Tensor], name: str, w: Linear) -> dict[str, Any]:
+    """`w`'s tensors into `tensors` under `name.*`; its spec for the manifest. A matrix stored in parts (a
+    Q4_K_M file's Q4_K query/key rows beside Q6_K value rows) keeps them, each under `name.partJ`; a Q4_K
+    matrix keeps its 6-bit scales (`Linear.kq`) where it still holds them."""
     spec: dict[str, Any] = {"n": w.n, "k": w.k, "fmt": w.fmt}
     for part in ("data", "scale", "min", "bias"):
         t = getattr(w, part)
         if t is not None:
             tensors[f"{name}.{part}"] = t.contiguous()
             spec[part] = True
+    if w.kq is not None:
+        for j, t in enumerate(w.kq):
+            tensors[f"{name}.kq{j}"] = t.contiguous()
+        spec["kq"] = True
+    if w.parts:
+        spec["parts"] = [put_linear(tensors, f"{name}.part{j}", p) for j, p in enumerate(w.parts)]
     return spec
 
 
 def _get_linear(tensors: dict[str, torch.Tensor], name: str, spec: dict[str, Any]) -> Linear:
     get = lambda part: tensors[f"{name}.{part}"] if spec.get(part) else None  # noqa: E731
-    return Linear(spec["n"], spec["k"], tensors[f"{name}.data"], spec["fmt"], get("scale"), get("min"), get("bias"))
+    parts = tuple(_get_linear(tensors, f"{name}.part{j}", p) for j, p in enumerate(spec.get("parts") or ()))
+    kq = (tensors[f"{name}.kq0"], tensors[f"{name}.kq1"], tensors[f"{name}.kq2"]) if spec.get("kq") else None
+    return Linear(spec["n"], spec["k"], tensors[f"{name}.data"], spec["fmt"], get("scale"), get("min"), get("bias"),
+                  parts=parts or None, kq=kq)
 
 
 def load_runtime_hints(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -108,3 +108,53 @@ def test_broken_artifacts_are_clear_errors(artifact, tmp_path):
     (bad / "slipstream-artifact.json").write_text((artifact / "slipstream-artifact.json").read_text())
     with pytest.raises(ModelLoadError, match="weights.safetensors is missing"):
         load_model(bad)
+
+
+def _mixed_kquant_gguf(path) -> None:
+    """A tiny Llama as a Q4_K_M file is stored: Q4_K query/key/output/FFN rows, Q6_K value rows (so the fused
+    QKV matrix is kept in parts), hand-made valid blocks, the 96-token test tokenizer."""
+    import gguf
+    import numpy as np
+    from support import gguf_tokenizer, random_blocks
+    hidden, ffn, heads, kv_heads, hd, layers, vocab = 256, 512, 4, 2, 64, 2, 96
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, v in ((w.add_block_count, layers), (w.add_context_length, 256), (w.add_embedding_length, hidden),
+                   (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab), (w.add_rope_dimension_count, hd)):
+        add(v)
+    gguf_tokenizer(w)
+    rng = np.random.default_rng(1)
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden), dtype=np.float32) * 0.5)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    seed = iter(range(100))
+
+    def q(name: str, qt: int, n: int, k: int) -> None:
+        w.add_tensor(name, random_blocks(qt, n, k, seed=next(seed), size=k ** -0.5),
+                     raw_dtype=gguf.GGMLQuantizationType(qt))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
+        q(f"blk.{i}.attn_q.weight", 12, heads * hd, hidden)
+        q(f"blk.{i}.attn_k.weight", 12, kv_heads * hd, hidden)
+        q(f"blk.{i}.attn_v.weight", 14, kv_heads * hd, hidden)
+        q(f"blk.{i}.attn_output.weight", 12, hidden, heads * hd)
+        q(f"blk.{i}.ffn_gate.weight", 12, ffn, hidden)
+        q(f"blk.{i}.ffn_up.weight", 12, ffn, hidden)
+        q(f"blk.{i}.ffn_down.weight", 14, hidden, ffn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_matrix_stored_in_parts_survives_the_artifact(tmp_path):
+    """A Q4_K_M-style file's fused QKV (Q4_K rows beside Q6_K rows) is kept in parts: the artifact stores
+    each part (it stored none, and loading it failed), and decodes the same greedy tokens as the GGUF."""
+    from slipstream.compiler import compile_model
+    src, out = tmp_path / "m.gguf", tmp_path / "art"
+    _mixed_kquant_gguf(src)
+    compile_model(src, out)
+    a, b = LLM(src), LLM(out)
+    assert b.model.layers[0].qkv.parts and len(b.model.layers[0].qkv.parts) == len(a.model.layers[0].qkv.parts)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in b.generate([[5, 9, 13, 40]], p)] == [o.token_ids for o in a.generate([[5, 9, 13, 40]], p)]
