@@ -472,7 +472,7 @@ def concat_rows(parts: list[Linear]) -> Linear:
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.n) for p in parts])
     if len({_layout(p) for p in parts}) != 1 or any(p.parts for p in parts):
-        flat = [Linear(q.n, q.k, q.data, q.fmt, q.scale, q.min) for p in parts for q in (p.parts or (p,))]
+        flat = [Linear(q.n, q.k, q.data, q.fmt, q.scale, q.min, kq=q.kq) for p in parts for q in (p.parts or (p,))]
         runs: list[list[Linear]] = []
         for q in flat:   # neighbours stored the same way become one part
             if runs and _layout(runs[-1][0]) == _layout(q):

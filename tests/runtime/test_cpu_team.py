@@ -473,3 +473,22 @@ def test_q4_k_compact_scales_give_the_planes_results():
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert outs[0][1].abs().max() > 0
+
+
+def test_stacked_q4_k_rows_keep_their_compact_scales():
+    """Fused QKV or gate/up of Q4_K rows (and a Q4_K_M file's Q4_K query/key rows beside Q6_K value rows,
+    kept as parts) carry the 6-bit scales of every row, in row order."""
+    from support import random_blocks
+
+    from slipstream.weights.quant import concat_rows
+    rng = np.random.default_rng(5)
+    a, b = _q4k_random(64, 256, rng), _q4k_random(32, 256, rng)
+    v = Linear.from_raw(14, random_blocks(14, 32, 256), 32, 256)   # Q6_K
+    if not load_library().ss_tile_planes():
+        assert a.kq is None   # kept only where the kernels read a tile copy
+        return
+    both, mixed = concat_rows([a, b]), concat_rows([a, b, v])
+    for stacked in (both, mixed.parts[0]):
+        assert stacked.kq is not None
+        for i in range(3):
+            assert torch.equal(stacked.kq[i], torch.cat([a.kq[i], b.kq[i]]))
