@@ -97,8 +97,9 @@ def test_the_engine_paces_prompt_work_beside_a_stream():
     assert e.pacer is not None and e.pacer.budget() == 64
     first = Request(ids(llm, PROMPTS[0]), greedy(400, ignore_eos=True))
     e.add_request(first)
-    for _ in range(4):                       # decode-only steps: the pacer learns what a step costs
-        e.step()
+    for _ in range(16):                      # decode-only steps: the pacer learns what a step costs (the
+        e.step()                             # median of its 16-step window, so a few slow ones on a busy
+                                             # machine do not set it)
     prompts = [Request(ids(llm, SYSTEM + f"Question {i}: explain undefined behaviour."), greedy(2)) for i in range(3)]
     for r in prompts:
         e.add_request(r)
