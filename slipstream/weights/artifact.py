@@ -96,18 +96,22 @@ def load_artifact(path: Path):
     for f in ("weights.safetensors", "tokenizer.json"):
         if not (path / f).exists():
             raise ModelLoadError(f"{path}: {f} is missing from the artifact")
-    cfg = ModelConfig(**manifest["config"])
-    tensors = load_file(str(path / "weights.safetensors"))
-    ws = manifest["weights"]
-    embed = _get_linear(tensors, "embed", ws["embed"])
-    weights: dict[str, Any] = {
-        "embed": embed, "norm": tensors["norm"], "inv_freq": tensors["inv_freq"],
-        "lm_head": embed if ws["lm_head"] == "embed" else _get_linear(tensors, "lm_head", ws["lm_head"]),
-    }
-    for i, spec in enumerate(ws["layers"]):
-        weights[f"layers.{i}"] = LlamaLayer(
-            **{k: _get_linear(tensors, f"layers.{i}.{k}", spec[k]) for k in LAYER_LINEARS},
-            **{k: tensors.get(f"layers.{i}.{k}") for k in LAYER_VECTORS})
+    try:   # a manifest that does not match its tensors (edited, or half written) is a load error
+        cfg = ModelConfig(**manifest["config"])
+        tensors = load_file(str(path / "weights.safetensors"))
+        ws = manifest["weights"]
+        embed = _get_linear(tensors, "embed", ws["embed"])
+        weights: dict[str, Any] = {
+            "embed": embed, "norm": tensors["norm"], "inv_freq": tensors["inv_freq"],
+            "lm_head": embed if ws["lm_head"] == "embed" else _get_linear(tensors, "lm_head", ws["lm_head"]),
+        }
+        for i, spec in enumerate(ws["layers"]):
+            weights[f"layers.{i}"] = LlamaLayer(
+                **{k: _get_linear(tensors, f"layers.{i}.{k}", spec[k]) for k in LAYER_LINEARS},
+                **{k: tensors.get(f"layers.{i}.{k}") for k in LAYER_VECTORS})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: {ARTIFACT_FILE} does not match weights.safetensors ({type(e).__name__}: "
+                             f"{e}); compile the model again") from None
     t = manifest["tokenizer"]
     tok = Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")), vocab_size=t["vocab_size"],
                     bos_token=t["bos_token"], eos_token=t["eos_token"], unk_token=t["unk_token"],

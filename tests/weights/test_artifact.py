@@ -108,6 +108,13 @@ def test_broken_artifacts_are_clear_errors(artifact, tmp_path):
     (bad / "slipstream-artifact.json").write_text((artifact / "slipstream-artifact.json").read_text())
     with pytest.raises(ModelLoadError, match="weights.safetensors is missing"):
         load_model(bad)
+    for f in ("weights.safetensors", "tokenizer.json"):   # a manifest naming tensors the file does not hold
+        (bad / f).write_bytes((artifact / f).read_bytes())
+    manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
+    manifest["weights"]["layers"][0]["o"]["parts"] = [{"n": 1, "k": 576, "fmt": 2, "data": True}]
+    (bad / "slipstream-artifact.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelLoadError, match="does not match weights.safetensors"):
+        load_model(bad)
 
 
 def _mixed_kquant_gguf(path) -> None:
