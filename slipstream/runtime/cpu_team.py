@@ -358,6 +358,13 @@ class CpuTeamDecoder:
         starts[1:] = ctx_all.cumsum(0)
         return slots, starts
 
+    def _run(self, args: SSStep, rows: int, n_out: int, argmax: bool) -> None:
+        """One native step over `args` with the task table of its shape, the team fitted to free cores first."""
+        table, table_addr = self._table(rows, n_out, argmax)
+        self._fit_team()
+        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table_addr, len(table),
+                         self._events_addr, len(self._events), int(self.exact))
+
     def _read_ptr(self, rows: DecodeRows, st: _Buffers) -> int:
         """The address of every row's context slots, concatenated (int64), and `st.starts_np` filled: a lone
         row's slots are read where they are (a sequence's slot ids, or the slot ids 0, 1, ... for a range),
@@ -429,10 +436,7 @@ class CpuTeamDecoder:
                 np.take(local.sin, rows.positions, axis=0, out=st.sin_l_np[:B])
                 a.cos_local, a.sin_local = st.cos_l_addr, st.sin_l_addr
         a.read_slots = self._read_ptr(rows, st)
-        table, table_addr = self._table(B, B, tokens_only)
-        self._fit_team()
-        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(a), table_addr, len(table),
-                         self._events_addr, len(self._events), int(self.exact))
+        self._run(a, B, B, tokens_only)
         if tokens_only:
             return st.next_tokens_np[:B].tolist()
         return torch.from_numpy(st.logits_np[:B].copy())   # a numpy copy: see `forward`
@@ -468,10 +472,7 @@ class CpuTeamDecoder:
                       cos.data_ptr(), sin.data_ptr(), st.x.data_ptr(), *st.fixed,
                       n_out, 0, out_rows.data_ptr(), _ptr(cos_l), _ptr(sin_l), _ptr(st.tmp), *st.moe_fields,
                       _ptr(write_l), _ptr(slots_l))
-        table, table_addr = self._table(B, n_out, tokens_only)
-        self._fit_team()
-        self.lib.ss_step(ctypes.byref(self._model), ctypes.byref(args), table_addr, len(table),
-                         self._events_addr, len(self._events), int(self.exact))
+        self._run(args, B, n_out, tokens_only)
         out = st.next_tokens_np if tokens_only else st.logits_np
         # a numpy copy (one thread): torch's clone runs on its intra-op threads, which wait on this team's
         # spinning threads right after the step (measured ~10 ms per step on the 2-core CPU against ~20 us)
