@@ -15,7 +15,7 @@ from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows, tile_planes, weight_linears
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows, weight_linears
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -182,11 +182,9 @@ def _q4k_linear(raw: np.ndarray, n: int, k: int) -> Linear:
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)      # 64-weight chunks: low nibbles, then high
     codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 2, 16)
     packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(n, k // 2)   # byte j = (j, j + 16)
-    kq = None
-    if tile_planes():   # kept for the compact copy the AVX-512 VNNI kernels read (Linear.kq)
-        dd = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)   # [n, k/256, 2]: d, dmin as stored
-        kq = (torch.from_numpy(np.ascontiguousarray(sc.reshape(n, k // 32))),
-              torch.from_numpy(np.ascontiguousarray(mn.reshape(n, k // 32))), torch.from_numpy(dd))
+    dd = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)   # [n, k/256, 2]: d, dmin as stored
+    kq = (torch.from_numpy(np.ascontiguousarray(sc.reshape(n, k // 32))),   # Linear.kq (dropped where unread)
+          torch.from_numpy(np.ascontiguousarray(mn.reshape(n, k // 32))), torch.from_numpy(dd))
     return Linear(n, k, torch.from_numpy(np.ascontiguousarray(packed)), Q4_F32,
                   torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minv)), kq=kq)
 

@@ -104,6 +104,10 @@ class Linear:
     # VNNI kernels read in place of the planes (20 bytes per 16 x 32 weights instead of 64; `_tile_k`)
     kq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def __post_init__(self) -> None:
+        if self.kq is not None and not tile_planes():   # only a tile copy reads them: none to build here
+            self.kq = None
+
     @property
     def packed(self) -> bool:
         return self.fmt is not None
@@ -538,20 +542,12 @@ def _tile_k(scales: torch.Tensor, mins: torch.Tensor, dd: torch.Tensor) -> tuple
     """A Q4_K matrix's compact tile copy (kernels/cpu/amx.h, tile_scales): for each block of 16 rows, the
     6-bit scales [G][16] (a group's 16 rows side by side) followed by the super-blocks' fp16 d [G/8][16];
     the mins and dmin likewise. Rows past N are zero. The third item marks the form."""
-    n, g = scales.shape
-    pad = -n % 16
-
     def plane(six: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
-        a, b = six.numpy(), sup.numpy().view(np.uint16)
-        if pad:
-            a = np.concatenate([a, np.zeros((pad, g), a.dtype)])
-            b = np.concatenate([b, np.zeros((pad, b.shape[1]), b.dtype)])
-        nb = a.shape[0] // 16
-        lo = a.reshape(nb, 16, g).transpose(0, 2, 1).reshape(nb, 16 * g)
-        hi = np.ascontiguousarray(b.reshape(nb, 16, g // 8).transpose(0, 2, 1)).reshape(nb, 2 * g).view(np.uint8)
-        return aligned(np.concatenate([lo, hi], axis=1))
+        lo, hi = _tile_ordered(six), _tile_ordered(sup.contiguous())   # [NB][G][16] bytes, [NB][G/8][16] fp16
+        nb = lo.shape[0]
+        return aligned(np.concatenate([lo.reshape(nb, -1).numpy(), hi.reshape(nb, -1).numpy().view(np.uint8)], axis=1))
 
-    return plane(scales, dd[..., 0].contiguous()), plane(mins, dd[..., 1].contiguous()), "q4_k"
+    return plane(scales, dd[..., 0]), plane(mins, dd[..., 1]), "q4_k"
 
 
 def _tile_ordered(plane: torch.Tensor) -> torch.Tensor:
