@@ -13,7 +13,7 @@ Prints the median over `--runs` runs (after one warm-up). With `--profile FILE` 
 generation once more under cProfile and prints the top functions by own time. To compare two trees,
 run this file alternately with PYTHONPATH pointing at each.
 
-    python benchmarks/host_overhead.py [--max-tokens 128] [--runs 3] [--profile /tmp/host.prof]
+    python benchmarks/host_overhead.py [--max-tokens 128] [--runs 3] [--profile /tmp/host.prof] [--batch 8]
 """
 from __future__ import annotations
 
@@ -61,6 +61,23 @@ def _run(llm: Any, prompt: list[int], params: Any, timed: _TimedLib) -> tuple[fl
     return last - first, timed.native_s - native0, n
 
 
+def _batched(llm: Any, prompt: list[int], params: Any, timed: _TimedLib, batch: int, runs: int) -> None:
+    """Per step of `batch` sequences generated together: wall, native and host time (medians of `runs`)."""
+    prompts = [[prompt[0] + i, *prompt[1:]] for i in range(batch)]   # distinct: no request merging
+    llm.generate(prompts, params)   # warm-up
+    rows = []
+    for i in range(runs):
+        native0, t = timed.native_s, time.perf_counter()
+        llm.generate(prompts, params)
+        wall, native = time.perf_counter() - t, timed.native_s - native0
+        steps = params.max_tokens
+        rows.append((wall / steps, native / steps))
+        print(f"run {i}: {steps} steps of {batch} rows, wall {wall / steps * 1e3:.3f} ms/step, "
+              f"native {native / steps * 1e3:.3f}, host {(wall - native) / steps * 1e3:.3f}")
+    print(f"median of {runs}: wall {statistics.median(r[0] for r in rows) * 1e3:.3f} ms/step, host "
+          f"{statistics.median(r[0] - r[1] for r in rows) * 1e3:.3f} ms/step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a GGUF or model directory (default: the embedded model)")
@@ -68,6 +85,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", default=None, help="write a cProfile of one more run here and print its top")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="decode this many sequences together instead (`LLM.generate`; times per step, the "
+                         "prompts' prefill included, so run enough tokens that decode dominates)")
     args = ap.parse_args()
 
     from slipstream import LLM, SamplingParams
@@ -80,6 +100,9 @@ def main() -> None:
     runtime.lib = timed
     prompt = (llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20))[:args.prompt_tokens]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.batch > 1:
+        _batched(llm, prompt, params, timed, args.batch, args.runs)
+        return
 
     _run(llm, prompt, params, timed)   # warm-up: task tables, buffers, caches
     rows = []
