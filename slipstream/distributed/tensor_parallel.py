@@ -186,12 +186,20 @@ def _block_cols(w: Linear, c0: int, c1: int) -> Linear | None:
         if c0 % qk or c1 % qk:
             return None
         return Linear(w.n, c1 - c0, w.data[:, c0 // qk * bb:c1 // qk * bb].contiguous(), w.fmt)
-    if c0 % 32 or c1 % 32 or w.scale is None:
+    if c0 % 32 or c1 % 32 or (w.scale is None and w.kq is None):
         return None
     per = w.data.shape[1] // (w.k // 32)    # code bytes per block of 32
     pick = lambda t: None if t is None else t[:, c0 // 32:c1 // 32].contiguous()  # noqa: E731
-    return Linear(w.n, c1 - c0, w.data[:, c0 // 32 * per:c1 // 32 * per].contiguous(), w.fmt,
-                  pick(w.scale), pick(w.min))
+    data = w.data[:, c0 // 32 * per:c1 // 32 * per].contiguous()
+    if w.kq is not None:   # Q4_K's 6-bit form: cut on its super-blocks of 256, else fp32 planes for the shard
+        if c0 % 256 == 0 and c1 % 256 == 0:
+            sc, mn, dd = w.kq
+            g0, g1 = c0 // 32, c1 // 32
+            return Linear(w.n, c1 - c0, data, w.fmt, kq=(sc[:, g0:g1].contiguous(), mn[:, g0:g1].contiguous(),
+                                                         dd[:, c0 // 256:c1 // 256].contiguous()))
+        scale, mins = w.planes()
+        return Linear(w.n, c1 - c0, data, w.fmt, pick(scale), pick(mins))
+    return Linear(w.n, c1 - c0, data, w.fmt, pick(w.scale), pick(w.min))
 
 
 def _cols(w: Linear, c0: int, c1: int, bias: bool) -> Linear:

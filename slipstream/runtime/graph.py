@@ -38,7 +38,7 @@ def weight_args(w: Linear) -> WeightArgs:
         return w.data, None, None
     if w.fmt == Q8_0:
         return w.data, w.scale, None
-    return w.data, w.scale, w.mins()
+    return (w.data, *w.planes())   # Q4_K's planes made from its 6-bit form
 
 
 @dataclass

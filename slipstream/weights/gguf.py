@@ -15,7 +15,7 @@ from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned_empty, concat_rows, weight_linears
+from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned, aligned_empty, concat_rows, weight_linears
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -154,11 +154,6 @@ def _phi3_config(reader: GGUFFile, a: Any, names: set[str], hidden: int, heads: 
         sliding_window=window or None, layer_types=("sliding",) * n if window else None)
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    """Two bytes per value (last axis) -> float32, exactly as ggml widens its fp16 scales."""
-    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
-
-
 def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The 12 scale bytes of a Q4_K super-block -> 8 six-bit scales and 8 six-bit mins."""
     sc = sc.astype(np.uint8)
@@ -172,21 +167,17 @@ def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q4k_linear(raw: np.ndarray, n: int, k: int) -> Linear:
-    """Q4_K super-blocks (256 weights, 6-bit sub-block scales) -> groups of 32 with float32 scale
-    and min, values unchanged: d*sc and dmin*mn are exact in float32."""
+    """Q4_K super-blocks (256 weights, 6-bit sub-block scales) -> groups of 32 (the 4-bit layout's
+    codes), each group's scale d*sc and offset -(dmin*mn) kept as their 6-bit factors and the
+    super-blocks' fp16 d and dmin (`Linear.kq`): values unchanged, as the products are exact in fp32."""
     blocks = raw.reshape(n, k // 256, 144)
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     sc, mn = _q4k_scales(blocks[..., 4:16])
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, k // 32)
-    minv = (-(dmin[..., None] * mn.astype(np.float32))).reshape(n, k // 32)
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)      # 64-weight chunks: low nibbles, then high
     codes = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k // 256, 8, 2, 16)
     packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(n, k // 2)   # byte j = (j, j + 16)
     dd = np.ascontiguousarray(blocks[..., 0:4]).view(np.float16)   # [n, k/256, 2]: d, dmin as stored
-    kq = (torch.from_numpy(np.ascontiguousarray(sc.reshape(n, k // 32))),   # Linear.kq (dropped where unread)
-          torch.from_numpy(np.ascontiguousarray(mn.reshape(n, k // 32))), torch.from_numpy(dd))
-    return Linear(n, k, torch.from_numpy(np.ascontiguousarray(packed)), Q4_F32,
-                  torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minv)), kq=kq)
+    kq = (aligned(sc.reshape(n, k // 32)), aligned(mn.reshape(n, k // 32)), aligned(dd))
+    return Linear(n, k, aligned(packed), Q4_F32, kq=kq)
 
 
 def _linear_from_tensor(t: Any) -> Linear:

@@ -6,8 +6,9 @@ A `Linear` holds an [N, K] weight in one of three ways:
   (as Q4_F32, our name for Q4_K in groups of 32 with float32 scale and min) and Q8_0:
     4-bit: `data` uint8 [N, K/2] nibbles, `scale` and `min` [N, K/32]; w = scale * q + min
     8-bit: `data` int8 [N, K], `scale` [N, K/32];                      w = scale * q
-  with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0) or fp32 (Q4_K's products of a
-  fp16 scale and a 6-bit one);
+  with the scales in fp16 as the file has them (Q4_0, Q4_1, Q8_0); Q4_K keeps its 6-bit scales and
+  mins and the super-blocks' fp16 d and dmin instead (`kq`), from which the kernels compute the fp32
+  scale and min of each group as they go (`planes()` makes them for other readers);
 - re-blocked, from Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K (when K is a multiple of 64 and the native
   kernels are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
   bits, scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from slipstream.kernels.cpu import load_library
-from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, KIND_QT, SSMat
+from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, KIND_QT, Q4_K6, SSMat
 
 Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100       # ggml's type ids; Q4_F32 is ours
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_F32: 24}
@@ -99,14 +100,15 @@ class Linear:
                                         # scales: None (its offsets are -8 x the scales, see `mins`)
     bias: torch.Tensor | None = None
     parts: tuple["Linear", ...] | None = None   # fmt MIXED: the row blocks, each stored its own way
-    # Q4_F32 from Q4_K: the 6-bit scales and mins (uint8 [N, K/32]) and the super-blocks' fp16 d and dmin
-    # ([N, K/256, 2]) the fp32 planes were made of, kept until `ss_mat` has built the compact copy the AVX-512
-    # VNNI kernels read in place of the planes (20 bytes per 16 x 32 weights instead of 64; `_tile_k`)
+    # Q4_F32 from Q4_K: its scales as the file has them, the 6-bit scales and mins (uint8 [N, K/32]) and the
+    # super-blocks' fp16 d and dmin ([N, K/256, 2]), with `scale` and `min` None: 2.5 bytes per 32 weights
+    # instead of the fp32 planes' 8. The kernels widen a row's scales as they go (step.c, ss_k6_row); the
+    # AVX-512 VNNI kernels read a compact tile-ordered copy of them (`_tile_k`)
     kq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if self.kq is not None and not tile_planes():   # only a tile copy reads them: none to build here
-            self.kq = None
+        if self.kq is not None:   # the 6-bit form holds all of it (an artifact written before kept both)
+            self.scale = self.min = None
 
     @property
     def packed(self) -> bool:
@@ -130,9 +132,23 @@ class Linear:
     def mins(self) -> torch.Tensor | None:
         """The 4-bit formats' per-group offsets. Q4_0 keeps no min plane (2 bytes per 32 weights that
         every product would read): d*(q-8) == d*q + (-8d) exactly, so they are -8 x its scales."""
+        if self.kq is not None:
+            return self.planes()[1]
         if self.min is not None or self.fmt != Q4_0 or self.scale is None:
             return self.min
         return self.scale * -8
+
+    def planes(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-group scales and offsets as [N, K/32] planes (None for dense weights; the offsets
+        None for Q8_0). A Q4_K matrix's are made from its 6-bit form each time (fp32, the values
+        GGUF's dequantization gives: d x scale and -(dmin x min) are exact in fp32), not kept."""
+        if self.kq is None:
+            return self.scale, self.mins()
+        sc, mn, dd = self.kq
+        groups = sc.shape[1]
+        d, dmin = (dd[..., i].to(torch.float32).unsqueeze(-1) for i in (0, 1))
+        scale = (d * sc.view(self.n, groups // 8, 8).to(torch.float32)).reshape(self.n, groups)
+        return scale, (-(dmin * mn.view(self.n, groups // 8, 8).to(torch.float32))).reshape(self.n, groups)
 
     @property
     def nbytes(self) -> int:
@@ -299,9 +315,11 @@ class Linear:
         # the GPU kernels read fp32 scales
         mv = lambda t: None if t is None else t.to(device, torch.float32 if gpu and t.dtype == torch.float16 else t.dtype)  # noqa: E731
         data = self.data.to(device=device, dtype=dtype) if self.fmt is None and dtype else self.data.to(device)
-        # the GPU kernels read a min plane (Q4_0's made there from its scales)
-        return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.mins() if gpu else self.min),
-                      mv(self.bias))
+        if gpu:   # the GPU kernels read planes, and a min plane (Q4_0's made there from its scales)
+            sc, mn = self.planes()
+            return Linear(self.n, self.k, data, self.fmt, mv(sc), mv(mn), mv(self.bias))
+        return Linear(self.n, self.k, data, self.fmt, mv(self.scale), mv(self.min), mv(self.bias),
+                      kq=None if self.kq is None else tuple(t.to(device) for t in self.kq))  # type: ignore[arg-type]
 
     def select_rows(self, rows: torch.Tensor) -> "Linear":
         if self.parts:
@@ -322,14 +340,17 @@ class Linear:
         if self.blocks:
             return _raw_dequantize(w)
         groups = w.k // 32
+        scale, mins = w.scale, w.min
+        if w.kq is not None:
+            scale, mins = w.planes()
         if self.fmt == Q8_0:
             q = w.data.view(w.n, groups, 32).to(torch.float32)
-            return (w.scale.unsqueeze(-1) * q).view(w.n, w.k)
+            return (scale.unsqueeze(-1) * q).view(w.n, w.k)
         p = w.data.view(w.n, groups, 16)
         q = torch.cat([p & 15, p >> 4], dim=-1).to(torch.float32)
         if self.fmt == Q4_0:  # same values as scale*q + min, and ggml's sign of zero too
-            return (w.scale.unsqueeze(-1) * (q - 8)).view(w.n, w.k)
-        return (w.scale.unsqueeze(-1) * q + w.min.unsqueeze(-1)).view(w.n, w.k)
+            return (scale.unsqueeze(-1) * (q - 8)).view(w.n, w.k)
+        return (scale.unsqueeze(-1) * q + mins.unsqueeze(-1)).view(w.n, w.k)
 
     def _widened(self) -> torch.Tensor:
         """Packed weights on a GPU: dequantized once to bf16 for the eager path (prefill), instead
@@ -342,7 +363,7 @@ class Linear:
 
     def widen(self, lib) -> torch.Tensor:
         """The dense float32 weight, by the native kernel (same values as `dequantize`, faster)."""
-        if self.blocks or self.parts:
+        if self.blocks or self.parts or self.kq is not None:
             return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
         mins = self.mins()
@@ -355,7 +376,7 @@ class Linear:
 
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
-        if self.blocks or self.parts or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
+        if self.blocks or self.parts or self.kq is not None or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
             if not accumulate:
                 lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), rows, x_ptr, out_ptr, 1)
                 return
@@ -397,17 +418,22 @@ class Linear:
             return SSMat(self.data.data_ptr(), None, None, ptr(self.bias) if with_bias else None, KIND_F32,
                          self.n, self.k, 0)
         kind = KIND_Q8 if self.fmt == Q8_0 else KIND_Q4
-        half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
-        m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min),
-                  ptr(self.bias) if with_bias else None, kind, self.n, self.k, half)
+        bias_ptr = ptr(self.bias) if with_bias else None
+        if self.kq is not None:   # Q4_K: its 6-bit scales and mins, and the super-blocks' d and dmin
+            m = SSMat(self.data.data_ptr(), self.kq[0].data_ptr(), self.kq[1].data_ptr(), bias_ptr, KIND_Q4,
+                      self.n, self.k, Q4_K6)
+            m.kdm = self.kq[2].data_ptr()
+        else:
+            half = 1 if self.scale.dtype == torch.float16 else 0   # qtype F16: fp16 scales and mins
+            m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min), bias_ptr, kind, self.n, self.k,
+                      half)
         if tile_planes():
             # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time: a
             # copy of the planes in that order (1/4 of the codes' bytes for Q4_1) saves a gather per group; a
             # Q4_K matrix's copy is its compact form (`_tile_k`), which the kernels widen to the planes' values
             if getattr(self, "_planes_by_tile", None) is None:
-                if self.kq is not None and self.scale.dtype == torch.float32 and self.k % 256 == 0:
+                if self.kq is not None:
                     self._planes_by_tile = _tile_k(*self.kq)
-                    self.kq = None   # the copy holds all of it now
                 else:
                     self._planes_by_tile = (_tile_ordered(self.scale),
                                             None if self.min is None else _tile_ordered(self.min))
@@ -489,14 +515,15 @@ def concat_rows(parts: list[Linear]) -> Linear:
     cat = lambda ts: None if ts[0] is None else _cat_rows(ts)  # noqa: E731
     fmts = {p.fmt for p in parts}
     fmt = parts[0].fmt if len(fmts) == 1 else Q4_F32   # mixed 4-bit sources share one layout
-    mins = [p.min for p in parts]
-    if any(m is None for m in mins) and not all(m is None for m in mins):
-        mins = [p.mins() for p in parts]   # Q4_0 beside other 4-bit parts: its min plane made
-    kq = None
-    if all(p.kq is not None for p in parts):   # Q4_K throughout: their compact scales stacked too
+    data = cat([p.data for p in parts])
+    if all(p.kq is not None for p in parts):   # Q4_K throughout: their 6-bit scales stacked
         kq = tuple(_cat_rows([p.kq[i] for p in parts]) for i in range(3))  # type: ignore[index]
-    return Linear(sum(p.n for p in parts), parts[0].k, cat([p.data for p in parts]), fmt,
-                  cat([p.scale for p in parts]), cat(mins), bias, kq=kq)  # type: ignore[arg-type]
+        return Linear(sum(p.n for p in parts), parts[0].k, data, fmt, bias=bias, kq=kq)  # type: ignore[arg-type]
+    planes = [p.planes() for p in parts]   # Q4_K beside Q4_0/Q4_1 parts: fp32 planes made for it
+    scales, mins = [sc for sc, _ in planes], [mn for _, mn in planes]
+    if all(p.kq is None and p.min is None for p in parts):
+        mins = [None]   # Q4_0 throughout (its offsets are its scales'), or Q8_0
+    return Linear(sum(p.n for p in parts), parts[0].k, data, fmt, cat(scales), cat(mins), bias)
 
 
 def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:

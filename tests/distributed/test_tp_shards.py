@@ -27,6 +27,10 @@ def packed(qt: "gguf.GGMLQuantizationType", seed: int = 0) -> Linear:
         raw = g.integers(0, 256, size=(N, K // 256, 210), dtype=np.uint8)
         raw[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
         raw = raw.reshape(N, -1)
+    elif qt == QT.Q4_K:   # nor this one: random blocks with small fp16 d and dmin (the first 4 bytes)
+        raw = g.integers(0, 256, size=(N, K // 256, 144), dtype=np.uint8)
+        raw[..., 0:4] = np.frombuffer(np.float16([0.01, 0.005]).tobytes(), dtype=np.uint8)
+        raw = raw.reshape(N, -1)
     else:
         raw = gguf.quants.quantize(g.standard_normal((N, K)).astype(np.float32), qt)
     w = _linear_from_raw(qt, raw, N, K)
@@ -46,7 +50,7 @@ def assert_products(cut: Linear) -> None:
         assert err <= 1e-4 * ref.abs().max().item(), (rows, err)
 
 
-FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.F16, QT.Q6_K]
+FORMATS = [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.F16, QT.Q6_K, QT.Q4_K]
 
 
 @pytest.mark.parametrize("qt", FORMATS, ids=lambda q: q.name)
@@ -65,11 +69,13 @@ def test_rows_stay_packed_and_equal_the_slice(qt):
 def test_columns_equal_the_slice(qt, c0, c1):
     w = packed(qt)
     cut = tp._cols(w, c0, c1, bias=c0 == 0)
-    block = gguf.GGML_QUANT_SIZES[qt][0]
+    block = 32 if qt == QT.Q4_K else gguf.GGML_QUANT_SIZES[qt][0]   # Q4_K is kept in groups of 32
     assert cut.packed == (c0 % block == 0 and c1 % block == 0)   # in place on block boundaries only
     assert (cut.n, cut.k) == (N, c1 - c0)
     assert torch.equal(cut.dequantize(), w.dequantize()[:, c0:c1])
     assert (cut.bias is not None) == (c0 == 0)   # a row-parallel bias: rank 0's alone
+    if qt == QT.Q4_K:   # its 6-bit form kept on super-blocks of 256, fp32 planes made for other cuts
+        assert (cut.kq is not None) == (c0 % 256 == 0 and c1 % 256 == 0)
     assert_products(cut)
 
 

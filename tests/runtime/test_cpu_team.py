@@ -446,33 +446,75 @@ def _q4k_random(n: int, k: int, rng: np.random.Generator) -> Linear:
     return _q4k_linear(blocks.reshape(-1), n, k)
 
 
-def test_q4_k_compact_scales_give_the_planes_results():
-    """A Q4_K matrix's scales reach the AVX-512 VNNI kernels (tiles and twin) in a compact copy (6-bit
-    scales and mins with the super-blocks' fp16 d and dmin, widened in registers): the step's logits are
-    bitwise those of the same model reading the fp32 planes' tile copy, at 1 row (twin) and 8 (tiles)."""
-    rng = np.random.default_rng(4)
-    cfg = shape_config("tiny", hidden_size=256, head_dim=64, intermediate_size=512, num_layers=2)
+def _with_planes(w: Linear) -> Linear:
+    """The same Q4_K matrix holding fp32 scale and min planes (as a Q4_K matrix was kept before) instead of
+    its 6-bit form (other matrices as they are)."""
+    if w.kq is None:
+        return w
+    scale, mins = w.planes()
+    return Linear(w.n, w.k, w.data, w.fmt, scale, mins)
+
+
+def _q4k_models(cfg, rng):
+    """Two copies of a random Llama whose products (O where its input allows), embedding and LM head are the
+    same Q4_K matrices: the
+    first keeps their 6-bit scales (as the GGUF loader does), the second fp32 planes of them."""
     compact = random_llama(cfg, seed=3)
-    compact.layers = [dataclasses.replace(L, qkv=_q4k_random(L.qkv.n, L.qkv.k, rng), o=_q4k_random(L.o.n, L.o.k, rng),
+    compact.layers = [dataclasses.replace(L, qkv=_q4k_random(L.qkv.n, L.qkv.k, rng),
+                                          o=_q4k_random(L.o.n, L.o.k, rng) if L.o.k % 256 == 0 else L.o,
                                           gate_up=_q4k_random(L.gate_up.n, L.gate_up.k, rng),
                                           down=_q4k_random(L.down.n, L.down.k, rng)) for L in compact.layers]
-    planes = random_llama(cfg, seed=3)   # the same weights without the compact scales
-    planes.layers = [dataclasses.replace(L, **{f: dataclasses.replace(getattr(L, f), kq=None)
-                                               for f in ("qkv", "o", "gate_up", "down")}) for L in compact.layers]
+    compact.embed = compact.lm_head = _q4k_random(cfg.vocab_size, cfg.hidden_size, rng)
+    planes = random_llama(cfg, seed=3)
+    planes.layers = [dataclasses.replace(L, **{f: _with_planes(getattr(L, f)) for f in ("qkv", "o", "gate_up", "down")})
+                     for L in compact.layers]
+    planes.embed = planes.lm_head = _with_planes(compact.embed)
+    return compact, planes
+
+
+@pytest.mark.parametrize("path", ["fast", "paired", "exact"])
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_q4_k_six_bit_scales_give_the_planes_results(path, head_dim):
+    """A Q4_K matrix keeps only its 6-bit scales and mins and the super-blocks' fp16 d and dmin; the kernels widen
+    a row's scales as they go (and the AVX-512 VNNI kernels read a compact tile copy). The step's logits are
+    bitwise those of the same model holding fp32 planes, at 1 row and 8 (tiles where the CPU has them), on the
+    fast path, on the paired kernels (the twin off: what AVX2 machines run) and on the exact path, with a Q4_K
+    embedding. Head size 40 puts query/key/value row ranges off blocks of 16 rows."""
+    rng = np.random.default_rng(4)
+    heads = dict(num_heads=4, num_kv_heads=1) if head_dim == 40 else {}
+    cfg = shape_config("tiny", hidden_size=256, head_dim=head_dim, intermediate_size=512, num_layers=2, **heads)
+    compact, planes = _q4k_models(cfg, rng)
+    lib = load_library()
     outs = []
-    for model in (compact, planes):
-        kv = model.new_kv_cache(16)
-        team = CpuTeamDecoder(model, kv)
-        seqs = [SequenceKV(kv) for _ in range(8)]
-        for i, s in enumerate(seqs):
-            model.forward(prefill_step(s, [1 + i, 7, 9 + i], extra=4), kv)
-        outs.append([team.forward(decode_step(seqs[:b], [3] * b, [3] * b)) for b in (1, 8)])
-    tiled = bool(load_library().ss_tile_planes())   # the compact copy where the kernels read a tile copy
+    try:
+        lib.ss_set_twin(int(path != "paired"))
+        for model in (compact, planes):
+            kv = model.new_kv_cache(16)
+            team = CpuTeamDecoder(model, kv, exact=path == "exact")
+            seqs = [SequenceKV(kv) for _ in range(8)]
+            for i, s in enumerate(seqs):
+                model.forward(prefill_step(s, [1 + i, 7, 9 + i], extra=4), kv)
+            outs.append([team.forward(decode_step(seqs[:b], [3 + b] * b, [3] * b)) for b in (1, 8)])
+    finally:
+        lib.ss_set_twin(1)
+    tiled = bool(lib.ss_tile_planes())   # the compact tile copy where the kernels read one
     assert {len(getattr(L.qkv, "_planes_by_tile", ())) for L in compact.layers} == ({3} if tiled else {0})
-    assert {len(getattr(L.down, "_planes_by_tile", ())) for L in planes.layers} == ({2} if tiled else {0})
+    assert all(L.qkv.scale is None and L.qkv.kq is not None for L in compact.layers)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert outs[0][1].abs().max() > 0
+
+
+def test_q4_k_keeps_under_its_file_size():
+    """What a Q4_K matrix holds: its 4-bit codes and 2.5 bytes of scales per 32 weights (4.625 bits per weight;
+    the file's blocks 4.5, the fp32 planes it held before 6); the planes other readers want are made on demand,
+    equal to the dequantized weights'."""
+    w = _q4k_random(64, 512, np.random.default_rng(6))
+    assert w.scale is None and w.min is None
+    assert w.nbytes == 64 * 512 // 2 + 64 * 512 // 32 * 2 + 64 * 512 // 256 * 4 <= 1.03 * 64 * 512 * 4.5 / 8
+    scale, mins = w.planes()
+    codes = torch.cat([w.data.view(64, 16, 16) & 15, w.data.view(64, 16, 16) >> 4], dim=-1).to(torch.float32)
+    assert torch.equal(w.dequantize(), (scale.unsqueeze(-1) * codes + mins.unsqueeze(-1)).view(64, 512))
 
 
 def test_stacked_q4_k_rows_keep_their_compact_scales():
@@ -484,9 +526,6 @@ def test_stacked_q4_k_rows_keep_their_compact_scales():
     rng = np.random.default_rng(5)
     a, b = _q4k_random(64, 256, rng), _q4k_random(32, 256, rng)
     v = Linear.from_raw(14, random_blocks(14, 32, 256), 32, 256)   # Q6_K
-    if not load_library().ss_tile_planes():
-        assert a.kq is None   # kept only where the kernels read a tile copy
-        return
     both, mixed = concat_rows([a, b]), concat_rows([a, b, v])
     for stacked in (both, mixed.parts[0]):
         assert stacked.kq is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 
 KIND_F32, KIND_Q4, KIND_Q8, KIND_QT = 0, 4, 8, 16
+Q4_K6 = 2   # SSMat.qtype of a q4 matrix whose scales are a Q4_K matrix's 6-bit ones (step.c)
 _P = ctypes.c_void_p
 _I = ctypes.c_int32
 _F = ctypes.c_float
@@ -20,7 +21,7 @@ class SSMat(ctypes.Structure):
 
 SSMat._fields_ = [("q", _P), ("scale", _P), ("min", _P), ("bias", _P), ("kind", _I), ("n", _I), ("k", _I),
                   ("qtype", _I), ("next", ctypes.POINTER(SSMat)), ("scale_t", _P), ("min_t", _P), ("tile_k", _I),
-                  ("pad", _I)]
+                  ("pad", _I), ("kdm", _P)]
 
 
 class SSMoe(ctypes.Structure):

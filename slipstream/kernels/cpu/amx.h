@@ -90,6 +90,22 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
         }
         return;
     }
+    if (half & 2) {   // rows from n off a block of 16: each lane from its own block of the compact copy (sc and mn
+                      // then hold the 6-bit scales, not planes; the rows past `live` read row n's)
+        for (int r = 0; r < 16; r++) {
+            const int64_t row = n + (r < live ? r : 0), at = (row >> 4) * 20 * (int64_t)G;
+            const int lane = (int)(row & 15);
+            for (int i = 0; i < 4; i++) {
+                const int g = g4 + i;
+                const uint8_t *bs = (const uint8_t *)st + at, *bm = (const uint8_t *)mt + at;
+                const float d = ss_half_to_f32(((const uint16_t *)(bs + 16 * (int64_t)G + 32 * (g >> 3)))[lane]);
+                const float dmin = ss_half_to_f32(((const uint16_t *)(bm + 16 * (int64_t)G + 32 * (g >> 3)))[lane]);
+                sw[i][r] = i >= ng ? 0.f : d * (float)bs[16 * g + lane];
+                mw[i][r] = i >= ng ? 0.f : -(dmin * (float)bm[16 * g + lane]);
+            }
+        }
+        return;
+    }
     half &= 1;   // from here on: whether the [N][G] planes (and a plain tile-ordered copy) are fp16
     if (st && (n & 15) == 0) {   // the planes' tile-ordered copy: a group's 16 rows side by side
         const int64_t at = ((n >> 4) * G + g4) * 16;
@@ -143,7 +159,7 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
         if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
     }
     if (g) return;
-    const int tiles = st && (n & 15) == 0, compact = tiles && (half & 2);
+    const int compact = st && (half & 2), tiles = compact || (st && (n & 15) == 0);   // compact: sc holds no planes
     const int64_t esz = (half & 1) ? 2 : 4, at = compact ? (n >> 4) * 20 * (int64_t)G : n * G * esz;
     const int64_t len = compact ? 20 * (int64_t)G : 16 * G * esz;
     const char *s = (const char *)(tiles ? st : sc), *m = (const char *)(tiles ? mt : mn);

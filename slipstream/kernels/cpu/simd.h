@@ -134,6 +134,26 @@ AI void ss_f16_row(const uint16_t *h, float *f, int n) {
     for (; i < n; i++) f[i] = ss_half_to_f32(h[i]);
 }
 
+// A Q4_K row's fp32 scales and offsets (sc[g] = d x scale6[g], mn[g] = -(dmin x min6[g]), exact in fp32: the
+// very values gguf.py's _q4k_linear computes) from its 6-bit scales and mins [G] and its super-blocks' fp16 d
+// and dmin [G/8][2] (Linear.kq): a row's 2.5 G bytes of scales instead of the fp32 planes' 8 G
+AI void ss_k6_row(const uint8_t *sc6, const uint8_t *mn6, const uint16_t *dm, int G, float *sc, float *mn) {
+    for (int s = 0; s < G / 8; s++) {
+        const float d = ss_half_to_f32(dm[2 * s]), dmin = ss_half_to_f32(dm[2 * s + 1]);
+#if defined(SS_AVX2)
+        const __m256 six = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc6 + 8 * s))));
+        const __m256 mix = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn6 + 8 * s))));
+        _mm256_storeu_ps(sc + 8 * s, _mm256_mul_ps(_mm256_set1_ps(d), six));
+        _mm256_storeu_ps(mn + 8 * s, _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(dmin), mix), _mm256_set1_ps(-0.f)));
+#else
+        for (int j = 0; j < 8; j++) {
+            sc[8 * s + j] = d * (float)sc6[8 * s + j];
+            mn[8 * s + j] = -(dmin * (float)mn6[8 * s + j]);
+        }
+#endif
+    }
+}
+
 // sum a[i] * b[i]
 AI float ss_dot(const float *a, const float *b, int n) {
     int i = 0;

@@ -35,14 +35,18 @@ enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8, KIND_QT = 16 };
 // another type) are a chain: rows past `n` belong to `next`.
 typedef struct SSMat {
     const void *q;          // codes (fp32 values for KIND_F32, ggml blocks row by row for KIND_QT)
-    const float *scale;     // [N][K/32] (q4, q8)
-    const float *min;       // [N][K/32] (q4)
+    const float *scale;     // [N][K/32] (q4, q8); q4 of qtype Q4_K6: the 6-bit scales, uint8 [N][K/32]
+    const float *min;       // [N][K/32] (q4); Q4_K6: the 6-bit mins, uint8 [N][K/32]
     const float *bias;      // [N] or NULL
-    int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks
+    int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks; q4/q8: how the scales are stored (Q4_*)
     const struct SSMat *next;
     const void *scale_t, *min_t; // q4, q8 on AVX-512 VNNI machines: scale and min as [N/16][K/32][16] (NULL: none)
     int32_t tile_k, pad;         // 1: scale_t/min_t hold a Q4_K matrix's compact form instead (amx.h, tile_scales)
+    const uint16_t *kdm;         // Q4_K6: the super-blocks' fp16 d and dmin, [N][K/256][2]
 } SSMat;
+// q4/q8 scale storage (SSMat.qtype): fp32 planes, fp16 planes (QT_F16), or a Q4_K matrix's 6-bit scales and
+// mins with their super-blocks' d and dmin (widened a row at a time to the planes' values: ss_k6_row)
+enum { Q4_PLANES = 0, Q4_K6 = 2 };
 
 // A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE): p = softmax(router h), the top k kept (renormalised to sum
 // 1 when norm_topk), y = sum_k p_k down_e(silu(gate_e h) * up_e h) [+ sigmoid(shared_gate h) shared(h)].
@@ -178,6 +182,7 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
     const float *xf = x->f, *xd = x->d, *xs = x->s;
     const int8_t *xq = x->q;
     const int64_t sstep = (int64_t)G * (half ? 2 : 4);   // bytes of scales per row
+    const int k6 = m->kind == KIND_Q4 && m->qtype == Q4_K6;   // a Q4_K matrix's 6-bit scales, widened per row
     float *scb = alloca(sizeof(float) * G), *mnb = alloca(sizeof(float) * G);
 #define QR_PREFETCH(n)                                                                             \
     if (pf_rows && (n) + pf_rows < m->n) {                                                          \
@@ -186,6 +191,7 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
         for (int64_t o = 0; o < code_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);              \
         __builtin_prefetch((const char *)m->scale + r * scale_bytes, 0, 2);                         \
         if (m->min) __builtin_prefetch((const char *)m->min + r * scale_bytes, 0, 2);               \
+        if (k6) __builtin_prefetch(m->kdm + r * (G / 4), 0, 2);                                     \
     }
 #define QR_STORE(n, NB)                                                                            \
     for (int b = 0; b < (NB); b++) {                                                                \
@@ -196,7 +202,10 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 #define QR_SCALES(n)   /* the row's scales (and mins) as fp32 */                                  \
     const float *sc = (const float *)m->scale + (int64_t)(n) * G;                                   \
     const float *mn = m->min ? (const float *)m->min + (int64_t)(n) * G : NULL;                     \
-    if (half) {                                                                                     \
+    if (k6) {                                                                                       \
+        QR_K6(n);                                                                                   \
+        sc = scb, mn = mnb;                                                                         \
+    } else if (half) {                                                                                     \
         ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G), sc = scb;                \
         if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G), mn = mnb;      \
     }                                                                                               \
@@ -204,6 +213,8 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
         for (int g_ = 0; g_ < G; g_++) mnb[g_] = -8.f * sc[g_];                                    \
         mn = mnb;                                                                                   \
     }
+#define QR_K6(n) ss_k6_row((const uint8_t *)m->scale + (int64_t)(n) * G, (const uint8_t *)m->min + (int64_t)(n) * G, \
+                         m->kdm + (int64_t)(n) * (G / 4), G, scb, mnb)
 #define QR_LOOP(NB, BODY)                                                                          \
     for (int n = n0; n < n1; n++) {                                                                 \
         float out[MAX_ROWS];                                                                        \
@@ -218,8 +229,9 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 #define Q4Q(NB) QR_LOOP(NB, QR_SCALES(n) q4q8_row(W4(n), sc, mn, G, xq, xd, xs, NB, out);)
 #define Q8Q(NB) QR_LOOP(NB, QR_SCALES(n) q8q8_row(W8(n), sc, G, xq, xd, NB, out);)
 #if defined(SS_AVX2)
-#define Q4P(NB) QR_LOOP(NB, q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
-                                    half, G, x->p, xd, x->e, xs, NB, out);)
+#define Q4P(NB) QR_LOOP(NB, if (k6) { QR_K6(n); q4p_row(W4(n), scb, mnb, 0, G, x->p, xd, x->e, xs, NB, out); } else        \
+                                q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
+                                        half, G, x->p, xd, x->e, xs, NB, out);)
 #define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
     if (!exact && SS_Q4_PAIRS && x->p && (!half || q4_half_direct)) {
         if (m->kind == KIND_Q4) { SS_BY_ROWS(nb, Q4P) } else { SS_BY_ROWS(nb, Q8P) }
@@ -240,6 +252,7 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 #undef W8
 #undef W4
 #undef QR_LOOP
+#undef QR_K6
 #undef QR_SCALES
 #undef QR_STORE
 #undef QR_PREFETCH
@@ -347,6 +360,7 @@ static int64_t mat_code_bytes(const SSMat *m) {
          : m->kind == KIND_Q4 ? K / 2 : m->kind == KIND_Q8 ? K : 4 * (int64_t)K;
 }
 static int64_t mat_scale_bytes(const SSMat *m) {
+    if (m->kind == KIND_Q4 && m->qtype == Q4_K6) return m->k / 32;   // 6-bit scales (and as many mins) as bytes
     return m->kind == KIND_Q4 || m->kind == KIND_Q8 ? (int64_t)(m->k / 32) * (m->qtype == QT_F16 ? 2 : 4) : 0;
 }
 
@@ -374,7 +388,9 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #ifdef SS_TWIN
     // On AVX-512 VNNI machines the fast path's q4/q8 products all follow one arithmetic (amx.h): on AMX tiles
     // from AMX_MIN_ROWS_* rows on where the CPU has them, the rest on their vector twin, bitwise the same
-    const int twin = !exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && x->q && twin_usable;
+    // (a Q4_K matrix's 6-bit scales only through their compact tile copy: ss_mat makes one on these builds)
+    const int twin = !exact && (m->kind == KIND_Q4 || m->kind == KIND_Q8) && x->q && twin_usable &&
+                     (m->qtype != Q4_K6 || (m->tile_k && m->scale_t));
 #ifdef SS_AMX
     const int tiles = twin && B >= (m->kind == KIND_Q4 ? AMX_MIN_ROWS_Q4 : AMX_MIN_ROWS_Q8) && amx_on();
 #endif
@@ -492,9 +508,13 @@ static void embed_row(const SSMat *e, int64_t tok, float *out) {
     } else {
         const uint8_t *q = (const uint8_t *)e->q + tok * (K / 2);
         float *sc = alloca(sizeof(float) * G), *mn = alloca(sizeof(float) * G);
-        embed_scales(e, e->scale, tok, G, sc);
-        if (e->min) embed_scales(e, e->min, tok, G, mn);
-        else for (int g = 0; g < G; g++) mn[g] = -8.f * sc[g];   // Q4_0: no min plane
+        if (e->qtype == Q4_K6) {
+            ss_k6_row((const uint8_t *)e->scale + tok * G, (const uint8_t *)e->min + tok * G, e->kdm + tok * (G / 4), G, sc, mn);
+        } else {
+            embed_scales(e, e->scale, tok, G, sc);
+            if (e->min) embed_scales(e, e->min, tok, G, mn);
+            else for (int g = 0; g < G; g++) mn[g] = -8.f * sc[g];   // Q4_0: no min plane
+        }
         for (int g = 0; g < G; g++) {
             const float d = sc[g], m = mn[g];
             for (int j = 0; j < 16; j++) {
