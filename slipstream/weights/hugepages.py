@@ -41,7 +41,22 @@ def huge_pages_available() -> bool:
     return "[never]" not in mode
 
 
-FIELDS = ("data", "scale", "min", "bias")
+FIELDS = ("data", "scale", "min", "bias", "kq0", "kq1", "kq2")   # kqJ: Linear.kq[J] (a Q4_K matrix's scales)
+
+
+def _field(lin: Linear, name: str) -> torch.Tensor | None:
+    if name.startswith("kq"):
+        return None if lin.kq is None else lin.kq[int(name[2:])]
+    return getattr(lin, name)
+
+
+def _set_field(lin: Linear, name: str, t: torch.Tensor) -> None:
+    if name.startswith("kq"):
+        kq = list(lin.kq or ())
+        kq[int(name[2:])] = t
+        lin.kq = (kq[0], kq[1], kq[2])
+    else:
+        setattr(lin, name, t)
 
 
 def _movable(t: torch.Tensor | None, mapped: tuple[int, int] | None) -> bool:
@@ -62,7 +77,7 @@ def move_to_huge_pages(weights: dict[str, Any], mapped: tuple[int, int] | None =
     total = 0
     for lin in weight_linears(weights):
         for name in FIELDS:
-            t = getattr(lin, name)
+            t = _field(lin, name)
             if _movable(t, mapped):
                 moves.append((lin, name, t))
                 total += -total % ALIGN + t.numel() * t.element_size()
@@ -80,7 +95,7 @@ def move_to_huge_pages(weights: dict[str, Any], mapped: tuple[int, int] | None =
         n = t.numel() * t.element_size()
         # numpy copies bytes (loading runs no torch kernel: see `Linear.from_blocks`)
         np.copyto(arena[off:off + n], t.reshape(-1).view(torch.uint8).numpy())
-        setattr(lin, name, torch.from_numpy(arena[off:off + n]).view(t.dtype).view(t.shape))
+        _set_field(lin, name, torch.from_numpy(arena[off:off + n]).view(t.dtype).view(t.shape))
         off += n
     return total
 

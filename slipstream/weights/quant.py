@@ -363,11 +363,11 @@ class Linear:
 
     def widen(self, lib) -> torch.Tensor:
         """The dense float32 weight, by the native kernel (same values as `dequantize`, faster)."""
-        if self.blocks or self.parts or self.kq is not None:
+        if self.blocks or self.parts:
             return self.dequantize()
         w = torch.empty(self.n, self.k, dtype=torch.float32)
-        mins = self.mins()
-        sc, mn = self.scale.float(), None if mins is None else mins.float()   # fp16 scales widened
+        scale, mins = self.planes()   # Q4_K's made from its 6-bit scales
+        sc, mn = scale.float(), None if mins is None else mins.float()   # fp16 scales widened
         if self.fmt == Q8_0:
             lib.q8_dequant(self.data.data_ptr(), sc.data_ptr(), self.n, self.k, w.data_ptr())
         else:

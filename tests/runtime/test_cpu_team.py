@@ -515,6 +515,7 @@ def test_q4_k_keeps_under_its_file_size():
     scale, mins = w.planes()
     codes = torch.cat([w.data.view(64, 16, 16) & 15, w.data.view(64, 16, 16) >> 4], dim=-1).to(torch.float32)
     assert torch.equal(w.dequantize(), (scale.unsqueeze(-1) * codes + mins.unsqueeze(-1)).view(64, 512))
+    assert torch.equal(w.widen(load_library()), w.dequantize())   # the eager prompt path's native widening
 
 
 def test_stacked_q4_k_rows_keep_their_compact_scales():

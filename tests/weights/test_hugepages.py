@@ -41,6 +41,28 @@ def test_moves_values_once_and_leaves_mapped_tensors(monkeypatch):
     size = sum(t.numel() * t.element_size() for t in tensors)
     assert size <= moved < size + 64 * len(tensors)
 
+def test_a_q4_k_matrix_s_six_bit_scales_move_too(monkeypatch):
+    """A Q4_K matrix holds its scales as `kq` (6-bit scales and mins, fp16 d and dmin): they move with its
+    codes, unchanged."""
+    import numpy as np
+
+    from slipstream.weights.gguf import _q4k_linear
+    monkeypatch.setattr(hugepages, "huge_pages_available", lambda: True)
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, (8192, 4, 144), dtype=np.uint8)   # 4.7 MB: over MIN_BYTES
+    blocks[..., 0:4] = np.frombuffer(np.float16([0.01, 0.002]).tobytes(), dtype=np.uint8)
+    w = _q4k_linear(blocks.reshape(-1), 8192, 1024)
+    assert w.kq is not None
+    before = [t.clone() for t in (w.data, *w.kq)]
+    moved = hugepages.move_to_huge_pages({"layers.0": w})
+    if moved == 0:
+        pytest.skip("this kernel refused an anonymous MADV_HUGEPAGE mapping")
+    now = (w.data, *w.kq)
+    assert all(torch.equal(a, b) and a.data_ptr() % hugepages.ALIGN == 0 for a, b in zip(now, before))
+    assert moved >= sum(t.numel() * t.element_size() for t in now)
+    assert max(t.data_ptr() for t in now) - min(t.data_ptr() for t in now) < moved   # one mapping
+
+
 def test_small_weights_and_the_switch_stay_put(monkeypatch):
     monkeypatch.setattr(hugepages, "huge_pages_available", lambda: True)
     small = _lin(64, 64, 4)

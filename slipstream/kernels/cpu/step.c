@@ -200,12 +200,14 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
         *yo = accumulate ? *yo + v : v;                                                             \
     }
 #define QR_SCALES(n)   /* the row's scales (and mins) as fp32 */                                  \
-    const float *sc = (const float *)m->scale + (int64_t)(n) * G;                                   \
-    const float *mn = m->min ? (const float *)m->min + (int64_t)(n) * G : NULL;                     \
+    const float *sc = scb, *mn = mnb;                                                               \
     if (k6) {                                                                                       \
         QR_K6(n);                                                                                   \
-        sc = scb, mn = mnb;                                                                         \
-    } else if (half) {                                                                                     \
+    } else {                                                                                        \
+        sc = (const float *)m->scale + (int64_t)(n) * G;                                            \
+        mn = m->min ? (const float *)m->min + (int64_t)(n) * G : NULL;                              \
+    }                                                                                               \
+    if (!k6 && half) {                                                                              \
         ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G), sc = scb;                \
         if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G), mn = mnb;      \
     }                                                                                               \
