@@ -71,6 +71,17 @@ def _unhandled(c: Any) -> str | None:
     return None
 
 
+def tile_share(model: Any) -> float:
+    """The share of a step's multiply-adds (its layers' products and the LM head) whose weights are in the
+    4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K, Q8_0). The other types (Q5_K, Q6_K, ... kept as
+    re-blocked or raw GGUF blocks) run the vector kernels 8 prompt rows at a time."""
+    mats = [p for L in model.layers for lin in L.linears() for p in (lin.parts or (lin,))]
+    mats += list(model.lm_head.parts or (model.lm_head,))
+    total = sum(p.n * p.k for p in mats)
+    tiled = sum(p.n * p.k for p in mats if p.packed and not p.blocks)
+    return tiled / total if total else 0.0
+
+
 class RopeTable:
     """cos and sin of the rotary angles of positions 0..len-1 (float32 [P, rotary / 2] numpy arrays, grown
     by doubling): a step's rows are looked up instead of computed, the same values (each entry is
@@ -192,7 +203,7 @@ class CpuTeamDecoder:
         self.model = model
         self.kv = kv
         self.exact = bool(exact)
-        if not self.exact and self.lib.ss_amx_active():
+        if not self.exact and self.lib.ss_amx_active() and tile_share(model) >= self.prefill_tile_share:
             self.prefill_tokens = self.prefill_tokens_amx
         spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
         # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
@@ -304,8 +315,11 @@ class CpuTeamDecoder:
     # the most prompt tokens one step takes (see `forward`); longer chunks run eagerly. On AMX machines the
     # step's products of a 512-token chunk run on tiles: 334 ms against ~420-520 for the eager BLAS step
     # (docs/BENCHMARKS.md), so whole prompt chunks come here (__init__)
+    # Only where most of the products are on tiles (`tile_share`): a Q6_K file's 512-token prompt took 1540 ms
+    # on the step against 1010 eagerly; a Q4_K_M file's (67% on tiles) 620 against 860 (docs/BENCHMARKS.md)
     prefill_tokens = 64
     prefill_tokens_amx = 512
+    prefill_tile_share = 0.5
 
     def _buffers(self, rows: int, out_rows: int) -> _Buffers:
         b = self._bufs

@@ -17,7 +17,7 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime import cpu_plan
-from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable
+from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, tile_share
 from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
@@ -532,3 +532,25 @@ def test_stacked_q4_k_rows_keep_their_compact_scales():
         assert stacked.kq is not None
         for i in range(3):
             assert torch.equal(stacked.kq[i], torch.cat([a.kq[i], b.kq[i]]))
+
+
+def test_long_prompt_chunks_come_to_the_step_only_where_tiles_take_most_products():
+    """On AMX machines whole 512-token prompt chunks run on the native step, whose tiles take the 4- and 8-bit
+    layouts; a model of other types (a Q6_K file: re-blocked) keeps 64-token chunks and runs longer ones on the
+    eager BLAS step, faster for it. `tile_share` counts multiply-adds by storage."""
+    from support import random_blocks
+    cfg = shape_config("tiny", hidden_size=256, head_dim=64, intermediate_size=512, num_layers=2)
+    rng = np.random.default_rng(8)
+    q4k = _q4k_models(cfg, rng)[0]
+    q6k = random_llama(cfg, seed=3)
+    six = lambda w: Linear.from_raw(14, random_blocks(14, w.n, w.k), w.n, w.k)  # noqa: E731  (Q6_K)
+    q6k.layers = [dataclasses.replace(L, qkv=six(L.qkv), o=six(L.o), gate_up=six(L.gate_up), down=six(L.down))
+                  for L in q6k.layers]
+    q6k.lm_head = six(q6k.lm_head)
+    dense = random_llama(cfg, seed=3)
+    assert tile_share(q4k) == 1.0 and tile_share(q6k) == 0.0 and tile_share(dense) == 0.0
+    amx = bool(load_library().ss_amx_active())
+    for model, share in ((q4k, 1.0), (q6k, 0.0)):
+        team = CpuTeamDecoder(model, model.new_kv_cache(16))
+        assert team.prefill_tokens == (512 if amx and share >= 0.5 else 64)
+        assert CpuTeamDecoder(model, model.new_kv_cache(16), exact=True).prefill_tokens == 64
