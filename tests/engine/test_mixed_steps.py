@@ -80,3 +80,32 @@ def test_long_prompt_chunks_on_the_native_step_where_amx_multiplies(llm):
     drain(small, [r2])
     assert r.output_ids == r2.output_ids
     assert_idle(e)
+
+
+def test_the_eager_prompt_step_multiplies_in_bf16_where_the_runtime_asks(llm, monkeypatch):
+    """Prompt chunks longer than the native step takes run on the model's eager (BLAS) step; on AMX machines
+    the fast path runs it in bf16 (`CpuTeamDecoder.eager_bf16`, weights.quant.bf16_gemm), the exact path
+    never. Forced here on any CPU (torch multiplies bf16 everywhere, only slower without AMX)."""
+    from slipstream.kernels.cpu import load_library
+    from slipstream.weights import quant
+    amx = bool(load_library().ss_amx_active())
+    assert engine(llm, exact=True).runtime.eager_bf16 is False
+    e = engine(llm, prefill_chunk=512, exact=False)
+    assert e.runtime.eager_bf16 == amx
+    monkeypatch.setattr(e.runtime, "prefill_tokens", 64)
+    monkeypatch.setattr(e.runtime, "eager_bf16", True)
+    seen = []
+    inner = e.executor.model.forward
+
+    def spy(step, kv, **kw):
+        seen.append((step.token_ids.numel(), getattr(quant._path, "bf16", False)))
+        return inner(step, kv, **kw)
+    monkeypatch.setattr(e.executor.model, "forward", spy)
+    prompt = (ids(llm, PROMPTS[0]) * 40)[:300]
+    r = Request(prompt, greedy(8, ignore_eos=True))
+    e.add_request(r)
+    drain(e, [r])
+    assert any(rows > 64 for rows, _ in seen) and all(bf16 for rows, bf16 in seen if rows >= 32)
+    assert len(r.output_ids) == 8
+    assert not getattr(quant._path, "bf16", False)   # left as it was
+    assert_idle(e)

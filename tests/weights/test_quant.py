@@ -401,3 +401,21 @@ def test_widen_equals_dequantize(lin: Linear):
     from slipstream.kernels.cpu import load_library
 
     assert torch.equal(lin.widen(load_library()), lin.dequantize())
+
+
+@needs_native
+def test_bf16_gemm_runs_the_blas_path_in_bf16():
+    """Within `bf16_gemm` a long chunk's product (the BLAS path) rounds weights and activations to bf16 and
+    sums in fp32: within bf16's precision of the fp32 product, and not equal to it; short chunks (the
+    matvec kernels) are untouched."""
+    from slipstream.weights.quant import DENSE_FROM_ROWS, bf16_gemm
+    fmt = FORMATS["Q4_1"]
+    lin = Linear.from_blocks(fmt, pack_blocks(fmt, *random_parts(fmt, 64, 256, seed=3)), 64, 256)
+    lin.bias = torch.randn(64)
+    x = torch.randn(DENSE_FROM_ROWS, 256, generator=torch.Generator().manual_seed(2))
+    ref = lin(x)
+    with bf16_gemm():
+        y, short = lin(x), lin(x[:4])
+    assert y.dtype == torch.float32 and not torch.equal(y, ref)
+    assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert torch.equal(short, lin(x[:4]))
