@@ -26,7 +26,10 @@ from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear
 
 ARTIFACT_FILE = "slipstream-artifact.json"
-FORMAT = 1
+# 2: a Q4_K matrix may hold only its 6-bit scales (`kq`, no `scale`/`min`), which a Slipstream that reads only
+# format 1 cannot run: it then asks to compile again instead of failing inside the runtime
+FORMAT = 2
+READS = (1, 2)   # format 1 artifacts load as they are (a Q4_K matrix's planes and 6-bit scales, or planes only)
 LAYER_LINEARS = LlamaLayer.LINEARS
 LAYER_VECTORS = LlamaLayer.VECTORS
 
@@ -90,9 +93,9 @@ def load_artifact(path: Path):
         manifest = json.loads((path / ARTIFACT_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: unreadable {ARTIFACT_FILE} ({e})") from None
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READS:
         raise ModelLoadError(f"{path}: artifact format {manifest.get('format')!r}, this Slipstream reads "
-                             f"{FORMAT}; compile the model again")
+                             f"{', '.join(map(str, READS))}; compile the model again")
     for f in ("weights.safetensors", "tokenizer.json"):
         if not (path / f).exists():
             raise ModelLoadError(f"{path}: {f} is missing from the artifact")

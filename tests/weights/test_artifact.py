@@ -45,7 +45,7 @@ def test_the_artifact_is_the_same_model(artifact):
     prompts = ["Once upon a time", "def fib(n):"]
     assert [o.token_ids for o in la.generate(prompts, p)] == [o.token_ids for o in lb.generate(prompts, p)]
     manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
-    assert manifest["format"] == 1 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
+    assert manifest["format"] == 2 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
 
 
 def test_the_artifact_carries_validated_plans_and_kernel_configs(artifact):
@@ -165,3 +165,16 @@ def test_a_matrix_stored_in_parts_survives_the_artifact(tmp_path):
     assert b.model.layers[0].qkv.parts and len(b.model.layers[0].qkv.parts) == len(a.model.layers[0].qkv.parts)
     p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in b.generate([[5, 9, 13, 40]], p)] == [o.token_ids for o in a.generate([[5, 9, 13, 40]], p)]
+
+
+def test_format_1_artifacts_still_load(artifact, tmp_path):
+    """Format 2 marks artifacts whose Q4_K matrices may hold only their 6-bit scales (an older Slipstream asks
+    to compile again instead of failing in the runtime); format 1 ones (written before) load as they are."""
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in artifact.iterdir():
+        (old / f.name).symlink_to(f)
+    manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
+    (old / "slipstream-artifact.json").unlink()
+    (old / "slipstream-artifact.json").write_text(json.dumps({**manifest, "format": 1}))
+    assert load_model(old) is not None
