@@ -1,4 +1,4 @@
-"""The eager prompt step in bf16 (weights.quant.bf16_gemm) against the same step in fp32: speed and quality.
+"""The eager prompt step in bf16 (weights.quant.blas_mode) against the same step in fp32: speed and quality.
 
 On one GGUF (the embedded default model unless --model is given), the held-aside text
 (benchmarks/data/heldout.txt, ~530 tokens) followed by the README (to fill --tokens) is run as prompt chunks of --chunk tokens through the model's eager step
@@ -9,7 +9,7 @@ On one GGUF (the embedded default model unless --model is given), the held-aside
 * milliseconds per chunk, each way (median over the whole chunks, after a warm-up chunk).
 
 bf16 only pays where the CPU multiplies bf16 in hardware (AMX or AVX-512 BF16: oneDNN through torch); the
-runtime uses it only where AMX is active (`CpuTeamDecoder.eager_bf16`).
+runtime uses it only where AMX is active (`CpuTeamDecoder.eager_blas`).
 
     python benchmarks/prefill_bf16.py [--model FILE] [--chunk 512] [--json out.json]
 """
@@ -32,7 +32,7 @@ def run(model, kv, ids: list[int], chunk: int, bf16: bool) -> tuple[torch.Tensor
     """Every position's logits of `ids`, prompt chunk by chunk through the eager step; ms per chunk."""
     from slipstream.kv.blocks import SequenceKV
     from slipstream.step import prefill_step
-    from slipstream.weights.quant import bf16_gemm
+    from slipstream.weights.quant import blas_mode
 
     seq = SequenceKV(kv)
     seq.reserve(len(ids))
@@ -40,21 +40,13 @@ def run(model, kv, ids: list[int], chunk: int, bf16: bool) -> tuple[torch.Tensor
     for s in range(0, len(ids), chunk):
         part = ids[s:s + chunk]
         t = time.perf_counter()
-        with bf16_gemm() if bf16 else _nothing():
+        with blas_mode("bf16" if bf16 else "fp32"):
             outs.append(model.forward(prefill_step(seq, part, start=s, logits="all"), kv).float())
         if len(part) == chunk:
             times.append((time.perf_counter() - t) * 1000)
         seq.num_tokens = s + len(part)
     seq.release()
     return torch.cat(outs), times
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
 
 
 def main() -> None:

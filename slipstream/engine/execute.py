@@ -8,7 +8,6 @@ processing are the engine's next stages.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from slipstream.models.base import Model
 from slipstream.runtime.base import Decoder
 from slipstream.runtime.registry import prefill_capacity
 from slipstream.step import StepBuilder, StepInput, decode_rows
-from slipstream.weights.quant import DENSE_FROM_ROWS, bf16_gemm, matvec_only
+from slipstream.weights.quant import DENSE_FROM_ROWS, blas_mode, matvec_only
 
 Chunk = tuple[Request, int, int]   # a prompt chunk: (request, start, end)
 
@@ -179,8 +178,8 @@ class StepExecutor:
         step = b.build()
         if batch.on_runtime:
             logits = self.runtime.forward(step)
-        else:   # the eager step: in bf16 where the runtime says its CPU runs that fast (and it is not exact)
-            with bf16_gemm() if getattr(self.runtime, "eager_bf16", False) else contextlib.nullcontext():
+        else:   # the eager step, its BLAS products as the runtime asks (bf16, fixed row blocks; weights.quant)
+            with blas_mode(getattr(self.runtime, "eager_blas", "fp32")):
                 logits = self.forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
         row = 0
         for r, start, end in batch.chunks:

@@ -205,9 +205,10 @@ class CpuTeamDecoder:
         self.exact = bool(exact)
         if not self.exact and self.lib.ss_amx_active() and tile_share(model) >= self.prefill_tile_share:
             self.prefill_tokens = self.prefill_tokens_amx
-        # the eager prompt step (chunks longer than prefill_tokens) in bf16 where AMX runs it (weights.quant.bf16_gemm)
-        self.eager_bf16 = (not self.exact and bool(self.lib.ss_amx_active())
-                           and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0")
+        # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
+        # exact path row by row alike whatever the batch; the fast path in bf16 where AMX runs it
+        bf16 = bool(self.lib.ss_amx_active()) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
+        self.eager_blas = "fp32-fixed" if self.exact else "bf16" if bf16 else "fp32"
         spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
         # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
         self.threads = self.lib.ss_team_configure(threads or default_threads(), *(spin + [-1, -1])[:2])

@@ -52,7 +52,14 @@ MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 DENSE_FROM_ROWS = 32
 # Both paths are row-invariant (a row's result does not depend on the other rows), but they round
 # differently. The engine pins short prompt chunks and the LM head to the kernel path so that a
-# request's tokens do not depend on what else shares its step (batch invariance).
+# request's tokens do not depend on what else shares its step (batch invariance). BLAS is row-invariant
+# only for one shape: oneDNN picks its kernels (and its split among threads) by the number of rows, and a
+# row's sums came out differently beside other rows (bf16: 5 of 30 shapes x splits single-threaded; fp32 with
+# two threads: 12 of 30). So the exact path's BLAS products multiply BLAS_ROWS rows per call, the last block
+# zero-padded (`blas_mode("fp32-fixed")`): one shape per matrix, the same result for a row whatever shares its
+# step, at a cost (a 512-token prompt's TTFT on the default model 1.2x; docs/BENCHMARKS.md). The fast path, whose
+# int8 products may flip a near-tie with the batch anyway, keeps one call per chunk.
+BLAS_ROWS = 128
 _path = threading.local()
 
 
@@ -67,18 +74,24 @@ def matvec_only() -> Iterator[None]:
         _path.matvec_only = old
 
 
+BLAS_MODES = ("fp32", "fp32-fixed", "bf16")
+
+
 @contextlib.contextmanager
-def bf16_gemm() -> Iterator[None]:
-    """Within this block the BLAS path of packed weights (long prompt chunks) multiplies in bf16 (the weights
-    widened to bf16, the activations rounded to it, fp32 sums): on AMX machines oneDNN's bf16 tiles run it
-    ~7x faster than fp32 (benchmarks/prefill_bf16.py). The fast path's eager prompt step on those machines
-    (`CpuTeamDecoder.eager_bf16`); never the exact path."""
-    old = getattr(_path, "bf16", False)
-    _path.bf16 = True
+def blas_mode(mode: str) -> Iterator[None]:
+    """How the BLAS path of packed weights (long prompt chunks: the eager step) multiplies within this block:
+    "fp32": one fp32 GEMM per chunk (the default); "fp32-fixed": fp32, BLAS_ROWS rows per call, so a row's
+    result never depends on the rows beside it (the exact path: `CpuTeamDecoder.eager_blas`); "bf16": the
+    weights widened to bf16, the activations rounded to it (the fast path's eager step on AMX machines, where
+    oneDNN's bf16 tiles run it ~7x faster than fp32: benchmarks/prefill_bf16.py)."""
+    if mode not in BLAS_MODES:
+        raise ValueError(f"unknown BLAS mode {mode!r} ({', '.join(BLAS_MODES)})")
+    old = getattr(_path, "blas", "fp32")
+    _path.blas = mode
     try:
         yield
     finally:
-        _path.bf16 = old
+        _path.blas = old
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -475,12 +488,7 @@ class Linear:
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
-            if getattr(_path, "bf16", False):
-                y = torch.nn.functional.linear(x.to(torch.bfloat16), self.widen(lib).to(torch.bfloat16)).float()
-                if self.bias is not None:
-                    y.add_(self.bias)
-            else:
-                y = torch.nn.functional.linear(x, self.widen(lib), self.bias)
+            y = _blas_rows(x, self.widen(lib), self.bias, getattr(_path, "blas", "fp32"))
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)
@@ -492,6 +500,28 @@ class Linear:
         if self.bias is not None:
             out.add_(self.bias)
         return out
+
+
+def _blas_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """x [rows, K] @ w.T (+ bias) by BLAS, as `blas_mode` says: one fp32 call; fp32 BLAS_ROWS rows per call
+    (the last block zero-padded: see BLAS_ROWS); or one call on weights and activations rounded to bf16 (as is
+    each product's result: torch has no fp32 output for a bf16 product on the CPU), the bias added in fp32."""
+    if mode == "fp32":
+        return torch.nn.functional.linear(x, w, bias)
+    if mode == "bf16":
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        return y if bias is None else y.add_(bias)
+    rows = x.shape[0]
+    out = torch.empty(rows, w.shape[0], dtype=torch.float32)
+    for r0 in range(0, rows, BLAS_ROWS):
+        block = x[r0:r0 + BLAS_ROWS]
+        n = block.shape[0]
+        if n < BLAS_ROWS:
+            block = torch.cat([block, block.new_zeros(BLAS_ROWS - n, block.shape[1])])
+        out[r0:r0 + n] = torch.nn.functional.linear(block, w)[:n]
+    if bias is not None:
+        out.add_(bias)
+    return out
 
 
 def weight_linears(weights: dict[str, Any]) -> list[Linear]:

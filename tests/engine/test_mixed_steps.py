@@ -3,6 +3,7 @@ weights are read once for both, the running streams keep getting a token every s
 tokens change: the native step computes every row on its own (row-invariant), so a prompt gives the
 same tokens whether its chunks ran beside decode rows or alone, on the exact and the fast path."""
 import pytest
+import torch
 from support import engine
 from test_engine import PROMPTS, SYSTEM, alone, assert_idle, drain, greedy, ids
 
@@ -84,21 +85,21 @@ def test_long_prompt_chunks_on_the_native_step_where_amx_multiplies(llm):
 
 def test_the_eager_prompt_step_multiplies_in_bf16_where_the_runtime_asks(llm, monkeypatch):
     """Prompt chunks longer than the native step takes run on the model's eager (BLAS) step; on AMX machines
-    the fast path runs it in bf16 (`CpuTeamDecoder.eager_bf16`, weights.quant.bf16_gemm), the exact path
-    never. Forced here on any CPU (torch multiplies bf16 everywhere, only slower without AMX)."""
+    the fast path runs it in bf16 (`CpuTeamDecoder.eager_blas`, weights.quant.blas_mode), the exact path
+    never (fp32, in fixed row blocks). Forced here on any CPU (torch multiplies bf16 everywhere, only slower without AMX)."""
     from slipstream.kernels.cpu import load_library
     from slipstream.weights import quant
     amx = bool(load_library().ss_amx_active())
-    assert engine(llm, exact=True).runtime.eager_bf16 is False
+    assert engine(llm, exact=True).runtime.eager_blas == "fp32-fixed"
     e = engine(llm, prefill_chunk=512, exact=False)
-    assert e.runtime.eager_bf16 == amx
+    assert e.runtime.eager_blas == ("bf16" if amx else "fp32")
     monkeypatch.setattr(e.runtime, "prefill_tokens", 64)
-    monkeypatch.setattr(e.runtime, "eager_bf16", True)
+    monkeypatch.setattr(e.runtime, "eager_blas", "bf16")
     seen = []
     inner = e.executor.model.forward
 
     def spy(step, kv, **kw):
-        seen.append((step.token_ids.numel(), getattr(quant._path, "bf16", False)))
+        seen.append((step.token_ids.numel(), getattr(quant._path, "blas", "fp32") == "bf16"))
         return inner(step, kv, **kw)
     monkeypatch.setattr(e.executor.model, "forward", spy)
     prompt = (ids(llm, PROMPTS[0]) * 40)[:300]
@@ -107,5 +108,38 @@ def test_the_eager_prompt_step_multiplies_in_bf16_where_the_runtime_asks(llm, mo
     drain(e, [r])
     assert any(rows > 64 for rows, _ in seen) and all(bf16 for rows, bf16 in seen if rows >= 32)
     assert len(r.output_ids) == 8
-    assert not getattr(quant._path, "bf16", False)   # left as it was
+    assert getattr(quant._path, "blas", "fp32") == "fp32"   # left as it was
     assert_idle(e)
+
+
+def test_a_prompt_on_the_eager_step_is_the_same_beside_another(llm, monkeypatch):
+    """On the exact path, two prompts of ~100 tokens prefilled together on the eager (BLAS) step give the second
+    the first-token logits it gets alone, bit for bit, and the same tokens: the fp32 BLAS path multiplies a
+    fixed number of rows per call (quant.BLAS_ROWS), since oneDNN's GEMM rounds a row differently beside other
+    rows (this failed with one call per chunk)."""
+    from slipstream.engine.sampling import SamplingParams
+    gen = torch.Generator().manual_seed(1)
+    first, second = (torch.randint(100, llm.model.cfg.vocab_size, (n,), generator=gen).tolist() for n in (110, 95))
+
+    def run(prompts):
+        e = engine(llm, enable_prefix_cache=False, exact=True)
+        monkeypatch.setattr(e.runtime, "prefill_tokens", 64)   # both go to the eager step, in one batch
+        seen = {}
+        inner = e.executor._prefill
+
+        def spy(batch):
+            done, logits = inner(batch)
+            assert not batch.on_runtime
+            seen.update({r.request_id: (logits[i].clone(), len(batch.chunks)) for i, r in enumerate(done)})
+            return done, logits
+        monkeypatch.setattr(e.executor, "_prefill", spy)
+        rs = [Request(list(p), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        for r in rs:
+            e.add_request(r)
+        drain(e, rs)
+        return seen[rs[-1].request_id], rs[-1].output_ids
+
+    (alone, n_alone), tokens_alone = run([second])
+    (beside, n_beside), tokens_beside = run([first, second])
+    assert (n_alone, n_beside) == (1, 2)
+    assert torch.equal(alone, beside) and tokens_alone == tokens_beside

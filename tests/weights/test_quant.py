@@ -404,18 +404,28 @@ def test_widen_equals_dequantize(lin: Linear):
 
 
 @needs_native
-def test_bf16_gemm_runs_the_blas_path_in_bf16():
-    """Within `bf16_gemm` a long chunk's product (the BLAS path) rounds weights and activations to bf16 and
-    sums in fp32: within bf16's precision of the fp32 product, and not equal to it; short chunks (the
-    matvec kernels) are untouched."""
-    from slipstream.weights.quant import DENSE_FROM_ROWS, bf16_gemm
+def test_blas_modes():
+    """Within `blas_mode` a long chunk's product (the BLAS path) runs as asked: "bf16" rounds weights and
+    activations to bf16 (within bf16's precision of the fp32 product, not equal to it); "fp32-fixed" multiplies
+    BLAS_ROWS rows per call, so a row's result is the same beside other rows, bit for bit; short chunks (the
+    matvec kernels) are untouched either way. An unknown mode is refused."""
+    from slipstream.weights.quant import BLAS_ROWS, DENSE_FROM_ROWS, blas_mode
     fmt = FORMATS["Q4_1"]
     lin = Linear.from_blocks(fmt, pack_blocks(fmt, *random_parts(fmt, 64, 256, seed=3)), 64, 256)
     lin.bias = torch.randn(64)
-    x = torch.randn(DENSE_FROM_ROWS, 256, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(DENSE_FROM_ROWS + BLAS_ROWS, 256, generator=torch.Generator().manual_seed(2))
     ref = lin(x)
-    with bf16_gemm():
+    with blas_mode("bf16"):
         y, short = lin(x), lin(x[:4])
     assert y.dtype == torch.float32 and not torch.equal(y, ref)
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
     assert torch.equal(short, lin(x[:4]))
+    with blas_mode("fp32-fixed"):
+        fixed = lin(x)
+        beside = lin(torch.cat([torch.randn(5, 256), x]))[5:]
+        alone = lin(x[BLAS_ROWS - 3:])
+    assert torch.equal(fixed, beside) and torch.allclose(fixed, ref, atol=1e-4)
+    assert torch.equal(alone, fixed[BLAS_ROWS - 3:])
+    with pytest.raises(ValueError, match="unknown BLAS mode"):
+        with blas_mode("fp16"):
+            pass
