@@ -72,11 +72,11 @@ def _unhandled(c: Any) -> str | None:
 
 
 def tile_share(model: Any) -> float:
-    """The share of a step's multiply-adds (its layers' products and the LM head) whose weights are in the
-    4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K, Q8_0). The other types (Q5_K, Q6_K, ... kept as
-    re-blocked or raw GGUF blocks) run the vector kernels 8 prompt rows at a time."""
+    """The share of a prompt row's multiply-adds (its layers' products: a prompt chunk computes the LM head for
+    its output rows only) whose weights are in the 4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K,
+    Q8_0). The other types (Q5_K, Q6_K, ... kept as re-blocked or raw GGUF blocks) run the vector kernels 8
+    prompt rows at a time."""
     mats = [p for L in model.layers for lin in L.linears() for p in (lin.parts or (lin,))]
-    mats += list(model.lm_head.parts or (model.lm_head,))
     total = sum(p.n * p.k for p in mats)
     tiled = sum(p.n * p.k for p in mats if p.packed and not p.blocks)
     return tiled / total if total else 0.0
