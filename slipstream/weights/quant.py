@@ -401,6 +401,17 @@ class Linear:
             lib.q4_dequant(self.data.data_ptr(), sc.data_ptr(), mn.data_ptr(), self.n, self.k, w.data_ptr())
         return w
 
+    def widen_bf16(self, lib) -> torch.Tensor:
+        """The dense weight rounded to bf16 (`widen(lib).to(torch.bfloat16)`, the same bits): GGUF block types
+        straight to bf16 by the native decoder, without an fp32 copy of the matrix."""
+        if self.parts:
+            return torch.cat([p.widen_bf16(lib) for p in self.parts])
+        if self.blocks and self.fmt not in (1, 30) and self.data.device.type == "cpu":
+            out = torch.empty(self.n, self.k, dtype=torch.bfloat16)
+            lib.ss_qt_dequant_bf16(self.fmt, self.data.contiguous().data_ptr(), 0, self.n, self.k, out.data_ptr())
+            return out
+        return self.widen(lib).to(torch.bfloat16)
+
     def native(self, lib, x_ptr: int, rows: int, out_ptr: int, accumulate: bool, scratch_ptr: int) -> None:
         """The kernel call on raw pointers: x float32 [rows, K] -> out float32 [rows, N]."""
         if self.blocks or self.parts or self.kq is not None or self.scale.dtype == torch.float16:   # the step's row kernels (exact)
@@ -488,7 +499,8 @@ class Linear:
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
         if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
-            y = _blas_rows(x, self.widen(lib), self.bias, getattr(_path, "blas", "fp32"))
+            mode = getattr(_path, "blas", "fp32")
+            y = _blas_rows(x, self.widen_bf16(lib) if mode == "bf16" else self.widen(lib), self.bias, mode)
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)

@@ -104,6 +104,21 @@ def test_native_products(qt: QT, rows: int) -> None:
     assert torch.allclose(got.double(), ref + res.double(), rtol=1e-4, atol=1e-4 * scale)
 
 
+@pytest.mark.parametrize("qt", [QT(t) for t in RAW_TYPES if t not in (1, 30)], ids=lambda t: t.name)
+def test_widening_to_bf16_is_the_fp32_widening_rounded(qt: QT) -> None:
+    """The eager step's bf16 products (quant.blas_mode) widen GGUF block types straight to bf16, row by row
+    across threads: the very bits of the fp32 widening cast by torch (the raw and the re-blocked layout)."""
+    from slipstream.kernels.cpu import load_library
+    lib = load_library()
+    n, k = 37, 512
+    for reblock in (True, False):
+        w = Linear.from_raw(int(qt), random_blocks(qt, n, k, seed=9), n, k, reblock=reblock)
+        assert torch.equal(w.widen_bf16(lib).view(torch.int16), w.widen(lib).to(torch.bfloat16).view(torch.int16))
+    kq = _q4k_linear(random_blocks(QT.Q4_K, 16, k, seed=5), 16, k)   # a 4-bit layout: widened, then cast
+    both = concat_rows([kq, w])
+    assert torch.equal(both.widen_bf16(lib), torch.cat([kq.widen(lib), w.widen(lib)]).to(torch.bfloat16))
+
+
 def test_stacked_parts_of_different_types() -> None:
     """A Q4_K_M-style fused QKV: Q/K re-blocked from Q4_K, V raw Q6_K, plus an F32 part and a bias."""
     k = 256

@@ -88,6 +88,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_set_attn_prefetch": [i32],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
         "ss_qt_dequant": [i32, vp, i32, i32, i32, vp],
+        "ss_qt_dequant_bf16": [i32, vp, i32, i32, i32, vp],
         "ss_add_rows": [vp, vp, ctypes.c_int64],
     }
     for name, args in signatures.items():

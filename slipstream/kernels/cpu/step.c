@@ -1179,7 +1179,30 @@ void ss_qt_unpack(int qtype, const uint8_t *w, int n0, int n1, int K, int8_t *q,
 // rows [n0, n1) of a KIND_QT matrix as fp32 (the reference dequantization's values)
 void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *out) {
     const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
+#pragma omp parallel for schedule(static)
     for (int n = n0; n < n1; n++) qt_dequant_row(qtype, w + n * row_bytes, K, out + (int64_t)(n - n0) * K);
+}
+
+// The same rows rounded to bf16 (to nearest, ties to even: torch's float -> bfloat16 for finite values), for
+// the eager step's bf16 products (weights/quant.py, blas_mode): no fp32 copy of the matrix on the way
+void ss_qt_dequant_bf16(int qtype, const uint8_t *w, int n0, int n1, int K, uint16_t *out) {
+    const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
+#pragma omp parallel
+    {
+        float *row = malloc(sizeof(float) * (size_t)K);
+#pragma omp for schedule(static)
+        for (int n = n0; n < n1; n++) {
+            qt_dequant_row(qtype, w + n * row_bytes, K, row);
+            uint16_t *o = out + (int64_t)(n - n0) * K;
+            for (int i = 0; i < K; i++) {
+                uint32_t u;
+                memcpy(&u, &row[i], 4);
+                o[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)   // NaN stays NaN
+                                                       : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+            }
+        }
+        free(row);
+    }
 }
 
 // out[i] += y[i] (a product accumulated into a residual)
