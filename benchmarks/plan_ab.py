@@ -7,6 +7,7 @@ slow drifts of a shared host fall on every variant alike. Prints each variant's 
 
     python benchmarks/plan_ab.py --batch 8 --variants tasks=4 tasks=1          # tasks per thread and operator
     python benchmarks/plan_ab.py --batch 8 --variants whole=0 whole=1          # attention tasks per KV head / per row
+    python benchmarks/plan_ab.py --batch 8 --variants split=8 split=4          # rows up to which attention gets parts
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def _patches(spec: str) -> dict[str, Any]:
             whole: Callable[[int, int], bool] = cpu_plan.attention_whole_rows
             on = value == "1"
             out["attention_whole_rows"] = lambda rows, threads, whole=whole, on=on: on and whole(rows, threads)
+        elif key == "split":
+            out["ATTN_SPLIT_ROWS"] = int(value)
         else:
-            raise SystemExit(f"unknown plan setting {key!r} (tasks=N, whole=0|1)")
+            raise SystemExit(f"unknown plan setting {key!r} (tasks=N, whole=0|1, split=N)")
     return out
 
 
