@@ -402,13 +402,14 @@ class Linear:
         return w
 
     def widen_bf16(self, lib) -> torch.Tensor:
-        """The dense weight rounded to bf16 (`widen(lib).to(torch.bfloat16)`, the same bits): GGUF block types
-        straight to bf16 by the native decoder, without an fp32 copy of the matrix."""
+        """The dense weight rounded to bf16 (`widen(lib).to(torch.bfloat16)`, the same bits but a NaN's): GGUF
+        block types straight to bf16 by the native decoder, without an fp32 copy of the matrix."""
         if self.parts:
             return torch.cat([p.widen_bf16(lib) for p in self.parts])
         if self.blocks and self.fmt not in (1, 30) and self.data.device.type == "cpu":
             out = torch.empty(self.n, self.k, dtype=torch.bfloat16)
-            lib.ss_qt_dequant_bf16(self.fmt, self.data.contiguous().data_ptr(), 0, self.n, self.k, out.data_ptr())
+            data = self.data.contiguous()   # held until the call returns (a copy when the rows are a view)
+            lib.ss_qt_dequant_bf16(self.fmt, data.data_ptr(), 0, self.n, self.k, out.data_ptr())
             return out
         return self.widen(lib).to(torch.bfloat16)
 
@@ -487,7 +488,11 @@ class Linear:
         if lib is None:   # dense weights, or no native kernels (a GPU): torch in the weight's dtype
             w = self._widened() if self.fmt is not None and self.data.device.type != "cpu" else self.dequantize()
             bias = None if self.bias is None else self.bias.to(w.dtype)
-            y = torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
+            if (getattr(_path, "blas", "fp32") == "fp32-fixed" and w.device.type == "cpu" and w.dtype == torch.float32
+                    and x.dim() == 2 and x.shape[0] >= DENSE_FROM_ROWS):   # dense fp32 on the exact path: row blocks
+                y = _blas_rows(x.to(torch.float32).contiguous(), w, bias, "fp32-fixed").to(x.dtype)
+            else:
+                y = torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
             if out is None:
                 return y
             return out.add_(y) if accumulate else out.copy_(y)

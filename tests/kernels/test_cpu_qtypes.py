@@ -114,6 +114,9 @@ def test_widening_to_bf16_is_the_fp32_widening_rounded(qt: QT) -> None:
     for reblock in (True, False):
         w = Linear.from_raw(int(qt), random_blocks(qt, n, k, seed=9), n, k, reblock=reblock)
         assert torch.equal(w.widen_bf16(lib).view(torch.int16), w.widen(lib).to(torch.bfloat16).view(torch.int16))
+    wide = np.asarray(random_blocks(qt, n, 2 * k, seed=10)).reshape(n, -1)   # rows as a view of wider rows
+    view = Linear.from_raw(int(qt), wide[:, :wide.shape[1] // 2], n, k, reblock=False)
+    assert torch.equal(view.widen_bf16(lib), view.widen(lib).to(torch.bfloat16))
     kq = _q4k_linear(random_blocks(QT.Q4_K, 16, k, seed=5), 16, k)   # a 4-bit layout: widened, then cast
     both = concat_rows([kq, w])
     assert torch.equal(both.widen_bf16(lib), torch.cat([kq.widen(lib), w.widen(lib)]).to(torch.bfloat16))

@@ -420,12 +420,16 @@ def test_blas_modes():
     assert y.dtype == torch.float32 and not torch.equal(y, ref)
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
     assert torch.equal(short, lin(x[:4]))
-    with blas_mode("fp32-fixed"):
-        fixed = lin(x)
-        beside = lin(torch.cat([torch.randn(5, 256), x]))[5:]
-        alone = lin(x[BLAS_ROWS - 3:])
-    assert torch.equal(fixed, beside) and torch.allclose(fixed, ref, atol=1e-4)
-    assert torch.equal(alone, fixed[BLAS_ROWS - 3:])
+    # "fp32-fixed": a row beside 32 to 300 others, packed and dense (a shape where one BLAS call per chunk gives
+    # the row different bits from 129 rows on: this fails with "fp32")
+    big = Linear.from_blocks(fmt, pack_blocks(fmt, *random_parts(fmt, 2048, 1024, seed=4)), 2048, 1024)
+    dense = Linear.dense(torch.randn(2048, 1024, generator=torch.Generator().manual_seed(5)) * 0.03)
+    rows = torch.randn(300, 1024, generator=torch.Generator().manual_seed(6))
+    for w in (big, dense):
+        with blas_mode("fp32-fixed"):
+            got = [w(rows[:total])[0] for total in (33, 64, 129, 200, 300)]
+        assert all(torch.equal(g, got[0]) for g in got)
+        assert torch.allclose(got[0], w(rows[:1])[0], atol=1e-3)
     with pytest.raises(ValueError, match="unknown BLAS mode"):
         with blas_mode("fp16"):
             pass
