@@ -319,11 +319,13 @@ class CpuTeamDecoder:
     # the most prompt tokens one step takes (see `forward`); longer chunks run eagerly. On AMX machines the
     # step's products of a 512-token chunk run on tiles: 334 ms against ~420-520 for the eager BLAS step
     # (docs/BENCHMARKS.md), so whole prompt chunks come here (__init__)
-    # Only where most of the products are on tiles (`tile_share`): a Q6_K file's 512-token prompt took 1540 ms
-    # on the step against 1010 eagerly; a Q4_K_M file's (67% on tiles) 620 against 860 (docs/BENCHMARKS.md)
+    # Only where nearly all of a prompt row's products are on tiles (`tile_share`); elsewhere the eager step (bf16
+    # on AMX) is faster. Through `serve` (slipstream bench, 800-token prompts, docs/BENCHMARKS.md): a Q6_K file
+    # (share 0) TTFT 2437 -> 831 ms eagerly; a Q4_K_M file (0.86) 1047 -> 814 ms, TPOT 9.4 -> 8.9 ms; a Q4_K_S file
+    # (0.96) kept on the step, 802 ms against 880 eagerly; the default model (1.0) too
     prefill_tokens = 64
     prefill_tokens_amx = 512
-    prefill_tile_share = 0.5
+    prefill_tile_share = 0.9
 
     def _buffers(self, rows: int, out_rows: int) -> _Buffers:
         b = self._bufs

@@ -548,9 +548,13 @@ def test_long_prompt_chunks_come_to_the_step_only_where_tiles_take_most_products
                   for L in q6k.layers]
     q6k.lm_head = six(q6k.lm_head)
     dense = random_llama(cfg, seed=3)
+    mixed = _q4k_models(cfg, np.random.default_rng(9))[0]   # Q4_K but for Q6_K down rows, as a Q4_K_M file's
+    mixed.layers = [dataclasses.replace(L, down=six(L.down)) for L in mixed.layers]
+    q4k.lm_head = six(q4k.lm_head)   # a prompt chunk computes the LM head for its output rows only: not counted
     assert tile_share(q4k) == 1.0 and tile_share(q6k) == 0.0 and tile_share(dense) == 0.0
+    assert 0.5 < tile_share(mixed) < CpuTeamDecoder.prefill_tile_share   # down: 1/5 of this model's products
     amx = bool(load_library().ss_amx_active())
-    for model, share in ((q4k, 1.0), (q6k, 0.0)):
+    for model, native in ((q4k, True), (q6k, False), (mixed, False)):
         team = CpuTeamDecoder(model, model.new_kv_cache(16))
-        assert team.prefill_tokens == (512 if amx and share >= 0.5 else 64)
+        assert team.prefill_tokens == (512 if amx and native else 64)
         assert CpuTeamDecoder(model, model.new_kv_cache(16), exact=True).prefill_tokens == 64
