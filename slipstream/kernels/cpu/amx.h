@@ -95,9 +95,9 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
         for (int r = 0; r < 16; r++) {
             const int64_t row = n + (r < live ? r : 0), at = (row >> 4) * 20 * (int64_t)G;
             const int lane = (int)(row & 15);
+            const uint8_t *bs = (const uint8_t *)st + at, *bm = (const uint8_t *)mt + at;
             for (int i = 0; i < 4; i++) {
                 const int g = g4 + i;
-                const uint8_t *bs = (const uint8_t *)st + at, *bm = (const uint8_t *)mt + at;
                 const float d = ss_half_to_f32(((const uint16_t *)(bs + 16 * (int64_t)G + 32 * (g >> 3)))[lane]);
                 const float dmin = ss_half_to_f32(((const uint16_t *)(bm + 16 * (int64_t)G + 32 * (g >> 3)))[lane]);
                 sw[i][r] = i >= ng ? 0.f : d * (float)bs[16 * g + lane];

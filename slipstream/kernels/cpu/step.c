@@ -200,16 +200,15 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
         *yo = accumulate ? *yo + v : v;                                                             \
     }
 #define QR_SCALES(n)   /* the row's scales (and mins) as fp32 */                                  \
-    const float *sc = scb, *mn = mnb;                                                               \
+    const float *sc = scb, *mn = m->min ? mnb : NULL;                                               \
     if (k6) {                                                                                       \
         QR_K6(n);                                                                                   \
+    } else if (half) {                                                                              \
+        ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G);                          \
+        if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G);                \
     } else {                                                                                        \
         sc = (const float *)m->scale + (int64_t)(n) * G;                                            \
-        mn = m->min ? (const float *)m->min + (int64_t)(n) * G : NULL;                              \
-    }                                                                                               \
-    if (!k6 && half) {                                                                              \
-        ss_f16_row((const uint16_t *)m->scale + (int64_t)(n) * G, scb, G), sc = scb;                \
-        if (m->min) ss_f16_row((const uint16_t *)m->min + (int64_t)(n) * G, mnb, G), mn = mnb;      \
+        if (m->min) mn = (const float *)m->min + (int64_t)(n) * G;                                  \
     }                                                                                               \
     if (!m->min && m->kind == KIND_Q4) {   /* Q4_0: no min plane, the offset is -8 x the scale */  \
         for (int g_ = 0; g_ < G; g_++) mnb[g_] = -8.f * sc[g_];                                    \
