@@ -101,7 +101,7 @@ static inline void ss_attend(const float *q, const void *kcache, const void *vca
 }
 
 // cache rows ahead that attention asks for (ss_set_attn_prefetch)
-static int ss_attn_pf __attribute__((unused)) = 16;
+static int ss_attn_pf __attribute__((unused)) = 32;
 #define SS_PREFETCH ss_attn_pf
 
 #if defined(SS_AVX2)
@@ -218,6 +218,128 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 }
 #endif
 
+#if defined(SS_AVX512) && defined(SS_F16C)
+// The same on 512-bit vectors, D % 16 == 0: half the multiply-adds of the 256-bit body, and the values'
+// 64 output dims of up to four heads in one pass over them (the 256-bit body passes over the values once per
+// 32 dims). Scores: eight keys against up to three heads in 24 accumulators, reduced eight at a time.
+AI __m512 ss_kv_load16(const char *row, int d, const int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+    return _mm512_loadu_ps((const float *)row + d);
+}
+
+// eight 16-lane partial sums -> their eight totals (lane j: a[j]'s)
+AI __m256 ss_hsum8x16(const __m512 a[8]) {
+    __m512 s[4];
+    for (int i = 0; i < 4; i++)   // quarters 0-1: a[2i] folded in half, 2-3: a[2i + 1]
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // quarter k: a[k]'s four partials (u0), a[4 + k]'s (u1)
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
+    const __m512 z = _mm512_add_ps(w, _mm512_permute_ps(w, _MM_SHUFFLE(1, 0, 3, 2)));   // quarter k: a[k], a[4 + k]
+    const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, z));
+}
+
+// scores of HB query heads (q, D apart; HB <= 3) against eight keys
+AI void ss_scores_hx8(const float *q, const int HB, const char *const k[8], int D, const int f16, __m256 *s) {
+    __m512 a[3][8];
+    for (int h = 0; h < HB; h++)
+        for (int j = 0; j < 8; j++) a[h][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16)
+        for (int j = 0; j < 8; j++) {
+            const __m512 kv = ss_kv_load16(k[j], d, f16);
+            for (int h = 0; h < HB; h++) a[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), kv, a[h][j]);
+        }
+    for (int h = 0; h < HB; h++) s[h] = ss_hsum8x16(a[h]);
+}
+
+// out[h][d0 .. d0 + 16 W) = inv[h] sum_i p[h][i] v_i[...] for HB heads (HB <= 4, W <= 4: 16 accumulators)
+AI void ss_values_hx16(const float *p, int64_t n, const int HB, const void *vcache, const int f16, int KVH, int kvh,
+                       int D, const int64_t *slots, int d0, const int W, const float *inv, float *out) {
+    __m512 acc[4][4];
+    for (int h = 0; h < HB; h++)
+        for (int t = 0; t < W; t++) acc[h][t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+        if (i + SS_PREFETCH < n) {
+            const char *ahead = SS_KV_ROW(vcache, f16, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * (f16 ? 2 : 4);
+            for (int o = 0; o < 16 * W * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
+        __m512 vv[4];
+        for (int t = 0; t < W; t++) vv[t] = ss_kv_load16(v, d0 + 16 * t, f16);
+        for (int h = 0; h < HB; h++) {
+            const __m512 pi = _mm512_set1_ps(p[h * n + i]);
+            for (int t = 0; t < W; t++) acc[h][t] = _mm512_fmadd_ps(pi, vv[t], acc[h][t]);
+        }
+    }
+    for (int h = 0; h < HB; h++) {
+        const __m512 s = _mm512_set1_ps(inv[h]);
+        for (int t = 0; t < W; t++) _mm512_storeu_ps(out + h * D + d0 + 16 * t, _mm512_mul_ps(acc[h][t], s));
+    }
+}
+
+AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const void *vcache, const int f16,
+                               int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
+                               float *p, float *out, float *ml) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    const int row_bytes = D * (f16 ? 2 : 4);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const char *k[8];
+        for (int t = 0; t < 8; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
+        for (int t = 0; t < 8 && j + SS_PREFETCH + t < n; t++) {   // the keys SS_PREFETCH rows ahead
+            const char *ahead = SS_KV_ROW(kcache, f16, slots[j + SS_PREFETCH + t], KVH, kvh, D);
+            for (int o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
+        for (int h = 0; h < nh; h += 3) {
+            __m256 sv[3];
+            const int hb = nh - h < 3 ? nh - h : 3;
+            if (hb == 3) ss_scores_hx8(q + h * D, 3, k, D, f16, sv);
+            else if (hb == 2) ss_scores_hx8(q + h * D, 2, k, D, f16, sv);
+            else ss_scores_hx8(q + h * D, 1, k, D, f16, sv);
+            for (int t = 0; t < hb; t++) _mm256_storeu_ps(p + (h + t) * n + j, _mm256_mul_ps(sv[t], sc));
+        }
+    }
+    for (; j < n; j++) {
+        const char *k = SS_KV_ROW(kcache, f16, slots[j], KVH, kvh, D);
+        for (int h = 0; h < nh; h++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), ss_kv_load16(k, d, f16), acc);
+            p[h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    float inv[nh];
+    for (int h = 0; h < nh; h++) {
+        float *ph = p + h * n;
+        if (cap > 0.f)
+            for (int64_t i = 0; i < n; i++) ph[i] = cap * tanhf(ph[i] / cap);
+        const float mx = ss_max(ph, n);
+        const float sum = ss_exp_shift(ph, n, mx);
+        inv[h] = 1.0f / sum;
+        if (ml) ml[2 * h] = mx, ml[2 * h + 1] = sum;
+    }
+    for (int h = 0; h < nh; h += 4) {   // the values: 64 output dims of up to four heads per pass over them
+        const int hb = nh - h < 4 ? nh - h : 4;
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int w = D - d0 < 64 ? (D - d0) / 16 : 4;
+#define SS_VAL(HB, W) ss_values_hx16(p + h * n, n, HB, vcache, f16, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
+#define SS_VAL_W(HB) do { if (w == 4) SS_VAL(HB, 4); else if (w == 3) SS_VAL(HB, 3); \
+                          else if (w == 2) SS_VAL(HB, 2); else SS_VAL(HB, 1); } while (0)
+            if (hb == 4) SS_VAL_W(4);
+            else if (hb == 3) SS_VAL_W(3);
+            else if (hb == 2) SS_VAL_W(2);
+            else SS_VAL_W(1);
+#undef SS_VAL_W
+#undef SS_VAL
+        }
+    }
+}
+#endif
+
 // The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (fp32 rows, or
 // fp16 rows when f16): ss_attend for each, with every key and value row read once for all of them while
 // in cache. Scores: four keys against up to three heads in 4 x 3 independent accumulators (no dependent
@@ -228,6 +350,13 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
                                    int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                                    float *p, float *out, float *ml) {
+#if defined(SS_AVX512) && defined(SS_F16C)
+    if (D % 16 == 0 && n > 0) {
+        if (f16) ss_attend_heads_avx512(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        else ss_attend_heads_avx512(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        return;
+    }
+#endif
 #if defined(SS_AVX2)
     if (D % 8 == 0 && n > 0) {
 #if defined(SS_F16C)
