@@ -74,6 +74,20 @@ def matvec_only() -> Iterator[None]:
         _path.matvec_only = old
 
 
+@contextlib.contextmanager
+def routed_rows() -> Iterator[None]:
+    """Around the products of the rows routed to one MoE expert, whose number depends on the whole step's
+    routing. On the exact path's eager step (`blas_mode("fp32-fixed")`) they take the row kernels whatever
+    their number (`matvec_only`), as decode rows do: with BLAS from DENSE_FROM_ROWS rows on, a token's expert
+    product changed kernels with the number of other tokens routed to that expert, and so its bits. Elsewhere
+    nothing changes (the fast path's long prompts keep BLAS for their experts)."""
+    if getattr(_path, "blas", "fp32") != "fp32-fixed":
+        yield
+        return
+    with matvec_only():
+        yield
+
+
 BLAS_MODES = ("fp32", "fp32-fixed", "bf16")
 
 
@@ -485,6 +499,22 @@ class Linear:
                  accumulate: bool = False) -> torch.Tensor:
         """y = x @ W.T (+ bias) for x [rows, K]; with accumulate=True adds into `out` (residual add)."""
         lib = load_library() if self.fmt is not None and self.data.device.type == "cpu" else None
+        if (lib is None and self.fmt is None and getattr(_path, "matvec_only", False) and x.dim() == 2
+                and getattr(_path, "blas", "fp32") == "fp32-fixed" and self.data.dtype == torch.float32
+                and self.data.device.type == "cpu" and self.data.is_contiguous() and x.shape[-1] == self.k):
+            # dense fp32 rows pinned to the kernel path on the exact eager step (the LM head, an expert's rows):
+            # the step's exact row kernels, whose result for a row does not depend on how many share the call
+            lib = load_library()
+            if lib is not None:
+                xs = x.to(torch.float32).contiguous()
+                y = torch.empty(xs.shape[0], self.n, dtype=torch.float32)
+                lib.ss_matmul(ctypes.byref(self.ss_mat(with_bias=False)), xs.shape[0], xs.data_ptr(), y.data_ptr(), 1)
+                if self.bias is not None:
+                    y.add_(self.bias)
+                y = y.to(x.dtype)
+                if out is None:
+                    return y
+                return out.add_(y) if accumulate else out.copy_(y)
         if lib is None:   # dense weights, or no native kernels (a GPU): torch in the weight's dtype
             w = self._widened() if self.fmt is not None and self.data.device.type != "cpu" else self.dequantize()
             bias = None if self.bias is None else self.bias.to(w.dtype)

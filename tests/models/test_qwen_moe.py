@@ -154,6 +154,52 @@ def test_batched_rows_match_alone(pair):
     torch.testing.assert_close(m.forward(step.build(), kv), alone, atol=1e-5, rtol=0)
 
 
+def test_expert_rows_are_batch_invariant_on_the_exact_eager_step(pair, monkeypatch):
+    """On the exact path's eager step (BLAS in fixed row blocks) a 32-token prompt's logits are the same, bit for
+    bit, alone and beside four other prompts, though an expert then gets DENSE_FROM_ROWS rows or more (fewer
+    alone): an expert's rows take the row kernels whatever their number (quant.routed_rows; with BLAS from 32
+    rows on, this changed the prompt's bits), as does the LM head of dense weights, and the shared expert's gate
+    is the same whatever the rows beside it (_sigmoid_rows). Dense (Hugging Face) and packed (GGUF) experts."""
+    from slipstream.weights import quant
+    from slipstream.weights.quant import blas_mode
+    _, m = pair
+    expert_rows: list[int] = []   # rows of each expert gate/up product
+    call = quant.Linear.__call__
+
+    def spy(self, x, *args, **kwargs):
+        if self.n == 2 * FE and getattr(quant._path, "matvec_only", False):   # not the attention output (64 x 64)
+            expert_rows.append(x.shape[0])
+        return call(self, x, *args, **kwargs)
+    monkeypatch.setattr(quant.Linear, "__call__", spy)
+    prompts = [torch.randint(0, VOCAB, (32,), generator=torch.Generator().manual_seed(40 + i)).tolist() for i in range(5)]
+    kv = m.new_kv_cache(num_blocks=64, block_size=4)
+
+    def run(batch: list[list[int]]) -> torch.Tensor:
+        step = StepBuilder()
+        for t in batch:
+            s = SequenceKV(kv)
+            s.reserve(len(t))
+            step.add(s, t, 0, logits="last")
+        with blas_mode("fp32-fixed"):
+            return m.forward(step.build(), kv)
+
+    alone = run(prompts[:1])[0]
+    most_alone = max(expert_rows)
+    together = run(prompts)
+    assert most_alone < quant.DENSE_FROM_ROWS <= max(expert_rows)   # the premise: BLAS's row count is crossed
+    assert torch.equal(together[0], alone)
+
+
+def test_the_shared_gate_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """torch.sigmoid over [T, 1] gave some rows other bits for other T (its scalar tail: 56 of 199 T on the
+    AVX-512 Xeon); _sigmoid_rows never."""
+    from slipstream.models.qwen_moe import _sigmoid_rows
+    g = torch.randn(200, 1, generator=torch.Generator().manual_seed(0)) * 3
+    full, plain = _sigmoid_rows(g), torch.sigmoid(g)
+    assert torch.allclose(full, plain, rtol=1e-6, atol=0)
+    assert all(torch.equal(_sigmoid_rows(g[:t]), full[:t]) for t in range(1, 200))
+
+
 def test_greedy_matches_generate(pair):
     check_greedy_matches_generate(*pair, VOCAB, 12)
 
