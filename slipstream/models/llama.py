@@ -25,7 +25,23 @@ from slipstream.errors import ModelLoadError
 from slipstream.kv.blocks import HybridKVCache, PagedKVCache
 from slipstream.step import SeqSlice, StepInput
 from slipstream.weights.layers import LlamaLayer
-from slipstream.weights.quant import Linear, matvec_only
+from slipstream.weights.quant import Linear, matvec_only, rows_invariant
+
+def glu(gu: torch.Tensor, f: int, gelu: bool = False) -> torch.Tensor:
+    """act(gu[:, :f]) * gu[:, f:] (SiLU, or GELU's tanh form) for gu [T, 2f]. On the exact path's eager step by
+    the native kernels, row by row: torch splits an elementwise op among its threads (GELU from ~16K elements,
+    SiLU from 32K) at points inside rows, whose ends then take its scalar tail, which rounds differently from
+    its vector loop, so a row's result changed with the number of rows beside it (seen with 8 threads)."""
+    if rows_invariant() and gu.dtype == torch.float32 and gu.device.type == "cpu" and gu.dim() == 2:
+        from slipstream.kernels.cpu import load_library
+        lib = load_library()
+        if lib is not None:
+            src = gu.contiguous()
+            out = torch.empty(src.shape[0], f, dtype=torch.float32)
+            (lib.gelu_tanh_mul if gelu else lib.silu_mul)(src.data_ptr(), src.shape[0], f, out.data_ptr())
+            return out
+    gate = F.gelu(gu[:, :f], approximate="tanh") if gelu else F.silu(gu[:, :f])
+    return gate * gu[:, f:]
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,8 +245,7 @@ class DecoderModel:
         c = self.cfg
         gu = L.gate_up(h)
         f = c.intermediate_size
-        gate = F.gelu(gu[:, :f], approximate="tanh") if c.hidden_act == "gelu_tanh" else F.silu(gu[:, :f])
-        act = gate * gu[:, f:]
+        act = glu(gu, f, c.hidden_act == "gelu_tanh")
         if L.post_ffn_norm is None:
             L.down(act, out=x, accumulate=True)
             return x

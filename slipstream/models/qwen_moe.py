@@ -17,17 +17,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slipstream.models.llama import DecoderModel
+from slipstream.models.llama import DecoderModel, glu
 from slipstream.weights.moe import MoeLayer
 from slipstream.weights.quant import routed_rows
 
 
 def _sigmoid_rows(g: torch.Tensor) -> torch.Tensor:
     """sigmoid(g) for g [T, 1] (the shared expert's gate), each row's value the same whatever T: torch's
-    vectorized loop leaves the last elements short of two vectors to a scalar tail that rounds differently
-    (a row's gate then changed with the number of rows beside it), so g is padded to whole vectors first."""
+    vectorized loop leaves the last elements short of two vectors to a scalar tail that rounds differently,
+    and splits longer inputs among threads at points that move with T, so a row's gate changed with the number
+    of rows beside it. Here every element takes the vector loop: g padded to whole blocks of 64, at most 4096
+    elements per call (below torch's thread split)."""
     flat = g.reshape(-1)
-    return torch.sigmoid(F.pad(flat, (0, -flat.numel() % 64)))[:flat.numel()].view_as(g)
+    padded = F.pad(flat, (0, -flat.numel() % 64))
+    out = torch.cat([torch.sigmoid(padded[i:i + 4096]) for i in range(0, padded.numel(), 4096)])
+    return out[:flat.numel()].view_as(g)
 
 
 class QwenMoeModel(DecoderModel):
@@ -51,11 +55,11 @@ class QwenMoeModel(DecoderModel):
             rows, slot = (ids == e).nonzero(as_tuple=True)
             with routed_rows():   # on the exact path, the same kernels whatever number of rows came here
                 gu = L.experts_gate_up[e](h.index_select(0, rows))
-                y = L.experts_down[e](F.silu(gu[:, :f]) * gu[:, f:])
+                y = L.experts_down[e](glu(gu, f))
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))   # a row picks an expert once
         if L.shared_gate_up is not None:
             fs = self.cfg.shared_expert_intermediate_size
             gu = L.shared_gate_up(h)
-            y = L.shared_down(F.silu(gu[:, :fs]) * gu[:, fs:])
+            y = L.shared_down(glu(gu, fs))
             out += _sigmoid_rows(L.shared_gate(h)) * y
         return x + out

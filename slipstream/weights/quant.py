@@ -81,11 +81,17 @@ def routed_rows() -> Iterator[None]:
     their number (`matvec_only`), as decode rows do: with BLAS from DENSE_FROM_ROWS rows on, a token's expert
     product changed kernels with the number of other tokens routed to that expert, and so its bits. Elsewhere
     nothing changes (the fast path's long prompts keep BLAS for their experts)."""
-    if getattr(_path, "blas", "fp32") != "fp32-fixed":
+    if not rows_invariant():
         yield
         return
     with matvec_only():
         yield
+
+
+def rows_invariant() -> bool:
+    """Whether this is the exact path's eager step (`blas_mode("fp32-fixed")`), whose every row must come out
+    the same whatever rows share the step."""
+    return getattr(_path, "blas", "fp32") == "fp32-fixed"
 
 
 BLAS_MODES = ("fp32", "fp32-fixed", "bf16")

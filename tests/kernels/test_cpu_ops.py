@@ -61,12 +61,17 @@ def _paged_case(lengths: list[int], H: int, KVH: int, D: int, g: torch.Generator
     return kc, vc, seq_slots, torch.cat(seq_slots), starts, qkv, row
 
 
-# head sizes: multiples of 16 (the 512-bit body: 1, 2, 3 or 4 vectors of a 64-dim pass, 256 in four passes) and
-# of 8 or 4 only (the 256-bit body, the scalar loop); query heads per KV head 1 to 7 (the 512-bit body takes
-# scores three heads at a time and values four); contexts that leave 1 to 7 keys past a block of 8
-@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32),
-                                                   ([5, 67], 8, 2, 80), ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256),
-                                                   ([13, 301], 14, 2, 48), ([9, 42], 12, 2, 96)])
+# head sizes: multiples of 16 (the 512-bit body: 1, 2, 3 or 4 vectors of a 64-dim pass, 128 and 256 in two and
+# four) and of 8 or 4 only (the 256-bit body even on AVX-512 machines, the scalar loop); query heads per KV head
+# 1 to 7 (the 512-bit body takes scores three heads at a time and values four: 2 = 2 | 2, 5 = 3 + 2 | 4 + 1);
+# contexts of whole blocks of 8 and ones that leave 1 to 7 keys past them
+ATTN_CASES = [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32), ([5, 67], 8, 2, 80),
+              ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256), ([13, 301], 14, 2, 48), ([9, 42], 12, 2, 96),
+              ([64, 17], 4, 2, 128), ([8, 40], 10, 2, 64), ([24, 3], 6, 2, 24), ([19, 72], 8, 4, 40),
+              ([50], 6, 2, 72)]
+
+
+@pytest.mark.parametrize("lengths,H,KVH,D", ATTN_CASES)
 def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
     S = len(lengths)
     kc, vc, seq_slots, slots, starts, qkv, row = _paged_case(lengths, H, KVH, D,
@@ -79,9 +84,7 @@ def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
     torch.testing.assert_close(out.view(S, H, D), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("lengths,H,KVH,D", [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([5, 67], 8, 2, 80),
-                                               ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256), ([200], 9, 3, 64),
-                                               ([13, 301], 14, 2, 48), ([9, 42], 12, 2, 96)])
+@pytest.mark.parametrize("lengths,H,KVH,D", ATTN_CASES + [([200], 9, 3, 64)])
 def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int):
     """Attention over an fp16 cache (the fast path's default): the keys and values widened in registers
     give the reference's result over the same fp16 values to fp32 rounding (rtol 1e-4, atol 1e-5), and

@@ -527,3 +527,24 @@ def test_gguf_greedy_on_the_native_runtime(tiny_gguf: Tiny, exact: bool):
         assert ours == gen
     else:
         assert ours[:4] == gen[:4]
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_the_mlp_activation_of_a_row_does_not_depend_on_the_rows_beside_it_on_the_exact_step(gelu: bool):
+    """On the exact path's eager step (blas_mode "fp32-fixed") `glu` gives a row the bits it gives it alone,
+    beside up to 63 other rows, with torch on 8 threads: plain torch splits an op of more than 32768 elements
+    among them at points inside rows, and rows then came out differently (intermediate size 1408). The native
+    kernels it takes there agree with torch to fp32 rounding of their exp-based tanh."""
+    from slipstream.models.llama import glu
+    from slipstream.weights.quant import blas_mode
+    f = 1408
+    gu = torch.randn(64, 2 * f, generator=torch.Generator().manual_seed(1)) * 4
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        with blas_mode("fp32-fixed"):
+            alone = torch.cat([glu(gu[i:i + 1], f, gelu) for i in range(64)])
+            assert all(torch.equal(glu(gu[:t], f, gelu), alone[:t]) for t in (13, 23, 24, 47, 50, 64))
+        assert torch.allclose(glu(gu, f, gelu), alone, rtol=1e-4, atol=1e-5)   # torch, one call (the fast path)
+    finally:
+        torch.set_num_threads(threads)

@@ -194,10 +194,16 @@ def test_the_shared_gate_of_a_row_does_not_depend_on_the_rows_beside_it():
     """torch.sigmoid over [T, 1] gave some rows other bits for other T (its scalar tail: 56 of 199 T on the
     AVX-512 Xeon); _sigmoid_rows never."""
     from slipstream.models.qwen_moe import _sigmoid_rows
-    g = torch.randn(200, 1, generator=torch.Generator().manual_seed(0)) * 3
+    g = torch.randn(70000, 1, generator=torch.Generator().manual_seed(0)) * 3
     full, plain = _sigmoid_rows(g), torch.sigmoid(g)
     assert torch.allclose(full, plain, rtol=1e-6, atol=0)
     assert all(torch.equal(_sigmoid_rows(g[:t]), full[:t]) for t in range(1, 200))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)   # long inputs: torch's split among threads
+    try:
+        assert all(torch.equal(_sigmoid_rows(g[:t]), full[:t]) for t in (4097, 33333, 65537, 70000))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_greedy_matches_generate(pair):

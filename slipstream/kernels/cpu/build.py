@@ -74,6 +74,7 @@ def load_library() -> ctypes.CDLL | None:
         "rope_store": [vp, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp, vp, vp],
         "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp],
         "silu_mul": [vp, i32, i32, vp],
+        "gelu_tanh_mul": [vp, i32, i32, vp],
         "ss_team_configure": [i32, i32, i32],
         "ss_step": [vp, vp, vp, i32, vp, i32, i32],
         "ss_matmul": [vp, i32, vp, vp, i32],

@@ -70,3 +70,9 @@ void silu_mul(const float *gu, int rows, int F, float *out) {
     for (int r = 0; r < rows; r++)
         ss_silu_mul(gu + (int64_t)r * 2 * F, gu + (int64_t)r * 2 * F + F, F, out + (int64_t)r * F);
 }
+
+// out = gelu_tanh(gate) * up for gu = [gate (F) | up (F)] per row (Gemma's GLU)
+void gelu_tanh_mul(const float *gu, int rows, int F, float *out) {
+    for (int r = 0; r < rows; r++)
+        ss_gelu_tanh_mul(gu + (int64_t)r * 2 * F, gu + (int64_t)r * 2 * F + F, F, out + (int64_t)r * F);
+}

@@ -342,11 +342,12 @@ AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const
 
 // The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (fp32 rows, or
 // fp16 rows when f16): ss_attend for each, with every key and value row read once for all of them while
-// in cache. Scores: four keys against up to three heads in 4 x 3 independent accumulators (no dependent
-// chain of FMAs, one horizontal sum per four keys, each key vector loaded and widened once for the three);
-// values: 32 output dims of up to three heads stay in registers while the values stream by, each value
-// vector loaded and widened once for them. p: scratch of nh * n floats; ml (if not NULL): [nh][2] each head's
-// score max and exp-sum (see ss_attend).
+// in cache. The 256-bit body (AVX2, or head sizes not a multiple of 16): scores of four keys against up to
+// three heads in 4 x 3 independent accumulators (no dependent chain of FMAs, one horizontal sum per four keys,
+// each key vector loaded and widened once for the three); values: 32 output dims of up to three heads stay in
+// registers while the values stream by, each value vector loaded and widened once for them. The 512-bit body
+// (AVX-512, head sizes a multiple of 16): eight keys by three heads, and 64 dims of four heads (above).
+// p: scratch of nh * n floats; ml (if not NULL): [nh][2] each head's score max and exp-sum (see ss_attend).
 static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
                                    int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                                    float *p, float *out, float *ml) {
