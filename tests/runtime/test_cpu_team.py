@@ -130,6 +130,20 @@ def test_results_do_not_depend_on_thread_count(smollm2):
         assert torch.equal(a, b)
 
 
+def test_the_eager_paths_openmp_regions_follow_the_teams_size():
+    """The library's OpenMP regions outside the step (the eager path's products, the widening of weights for
+    BLAS) run as many threads as the team has, so a team shrunk beside a busy neighbour (cpu_load.py) does
+    not leave them on every core."""
+    from slipstream.runtime.cpu_team import default_threads
+    lib = load_library()
+    try:
+        for n in (1, 2):
+            assert lib.ss_team_configure(n, -1, -1) == n
+            assert lib.ss_parallel_probe() == n
+    finally:
+        lib.ss_team_configure(default_threads(), -1, -1)
+
+
 @pytest.mark.parametrize("f16", [False, True])
 def test_long_contexts_are_split_and_merged(f16):
     """Contexts of 512 tokens and more are attended in parts (n // 256 of them, up to 8) that the team

@@ -76,6 +76,7 @@ def load_library() -> ctypes.CDLL | None:
         "silu_mul": [vp, i32, i32, vp],
         "gelu_tanh_mul": [vp, i32, i32, vp],
         "ss_team_configure": [i32, i32, i32],
+        "ss_parallel_probe": [],
         "ss_step": [vp, vp, vp, i32, vp, i32, i32],
         "ss_matmul": [vp, i32, vp, vp, i32],
         "ss_quantize": [vp, i32, i32, vp, vp, vp],
@@ -97,6 +98,7 @@ def load_library() -> ctypes.CDLL | None:
         fn.argtypes = args
         fn.restype = None
     lib.ss_team_configure.restype = i32
+    lib.ss_parallel_probe.restype = i32
     lib.ss_set_amx.restype = i32
     lib.ss_amx_active.restype = i32
     lib.ss_tile_planes.restype = i32

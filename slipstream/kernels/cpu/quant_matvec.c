@@ -20,6 +20,8 @@
 
 #include "qtypes.h"
 
+int ss_parallel_threads(void);   // step.c: the team's size once configured
+
 #define CHUNK MAX_ROWS
 #define q4_row(row, sc, mn, G, x, K, xs, nb, out) q4f_row(row, sc, mn, G, x, K, xs, nb, out)
 #define q8_row(row, sc, G, x, K, nb, out) q8f_row(row, sc, G, x, K, nb, out)
@@ -46,7 +48,7 @@ void q4_matvec(const float *x, int B, int K, const uint8_t *qs, const float *sca
             for (int j = 0; j < 32; j++) s += x[(int64_t)b * K + g * 32 + j];
             xs[(int64_t)b * G + g] = s;
         }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int n = 0; n < N; n++) {
         const uint8_t *row = qs + (int64_t)n * (K / 2);
         const float *sc = scale + (int64_t)n * G, *mn = min + (int64_t)n * G;
@@ -65,7 +67,7 @@ void q4_matvec(const float *x, int B, int K, const uint8_t *qs, const float *sca
 void q8_matvec(const float *x, int B, int K, const int8_t *qs, const float *scale, int N, float *y,
                int accumulate) {
     const int G = K / 32;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int n = 0; n < N; n++) {
         const int8_t *row = qs + (int64_t)n * K;
         const float *sc = scale + (int64_t)n * G;
@@ -86,7 +88,7 @@ void q8_matvec(const float *x, int B, int K, const int8_t *qs, const float *scal
 // built for few rows. Same expression as GGUF's reference dequantization.
 void q4_dequant(const uint8_t *qs, const float *scale, const float *min, int N, int K, float *out) {
     const int64_t groups = (int64_t)N * (K / 32);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int64_t i = 0; i < groups; i++) {
         const float d = scale[i], m = min[i];
         float *o = out + i * 32;
@@ -108,7 +110,7 @@ void q4_dequant(const uint8_t *qs, const float *scale, const float *min, int N, 
 
 void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) {
     const int64_t groups = (int64_t)N * (K / 32);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int64_t i = 0; i < groups; i++) {
 #ifdef __AVX512F__
         const __m512 d = _mm512_set1_ps(scale[i]);
@@ -126,7 +128,7 @@ void q8_dequant(const int8_t *qs, const float *scale, int N, int K, float *out) 
 // IQ4_XS; same bytes per row)
 void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     const int64_t row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int64_t r = 0; r < n; r++) {
         if (qtype == QT_Q6_K) qt_rb6_pack_row(src + r * row, K, dst + r * row);
         else qt_rb_pack_row(qtype, src + r * row, K, dst + r * row);

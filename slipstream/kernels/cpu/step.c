@@ -23,6 +23,9 @@
 #include <time.h>
 #include <unistd.h>
 #include <alloca.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "amx.h"
 #include "ops.h"
@@ -1082,6 +1085,32 @@ static void team_stop(void) {
 }
 
 // Size the team (threads including the caller); spin times (microseconds) < 0 keep the current ones.
+// Threads of the OpenMP regions outside the step (the eager path's products and widening): the team's size
+// once one is configured, so that they too leave the cores a busy neighbour holds (the team shrinks then:
+// cpu_load.py); before that OpenMP's default.
+static _Atomic int par_threads;
+int ss_parallel_threads(void) {
+    const int n = atomic_load_explicit(&par_threads, memory_order_relaxed);
+#ifdef _OPENMP
+    return n > 0 ? n : omp_get_max_threads();
+#else
+    return n > 0 ? n : 1;
+#endif
+}
+
+// the number of threads an OpenMP region of this library runs now (tests)
+int ss_parallel_probe(void) {
+    int n = 1;
+#pragma omp parallel num_threads(ss_parallel_threads())
+    {
+#ifdef _OPENMP
+#pragma omp single
+        n = omp_get_num_threads();
+#endif
+    }
+    return n;
+}
+
 int ss_team_configure(int nthreads, int spin_wait, int spin_idle) {
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
@@ -1096,6 +1125,7 @@ int ss_team_configure(int nthreads, int spin_wait, int spin_idle) {
         }
     }
     const int n = T.nthreads;
+    atomic_store_explicit(&par_threads, n, memory_order_relaxed);
     pthread_mutex_unlock(&T.lock);
     return n;
 }
@@ -1150,7 +1180,7 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     for (const SSMat *p = m; p; p = p->next) N += p->n;   // a chain's rows, all parts
     // row tiles over OpenMP's threads (the eager path's products: prefill chunks beside decode rows)
     const int tile = 16;
-#pragma omp parallel for schedule(dynamic, 1) if (N >= 4 * tile)
+#pragma omp parallel for schedule(dynamic, 1) if (N >= 4 * tile) num_threads(ss_parallel_threads())
     for (int n0 = 0; n0 < N; n0 += tile) mat_rows(m, n0, n0 + tile < N ? n0 + tile : N, B, &a, y, N, 0, exact);
     free(a.q);
     free(a.d);
@@ -1178,7 +1208,7 @@ void ss_qt_unpack(int qtype, const uint8_t *w, int n0, int n1, int K, int8_t *q,
 // rows [n0, n1) of a KIND_QT matrix as fp32 (the reference dequantization's values)
 void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *out) {
     const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads())
     for (int n = n0; n < n1; n++) qt_dequant_row(qtype, w + n * row_bytes, K, out + (int64_t)(n - n0) * K);
 }
 
@@ -1186,7 +1216,7 @@ void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *ou
 // the eager step's bf16 products (weights/quant.py, blas_mode): no fp32 copy of the matrix on the way
 void ss_qt_dequant_bf16(int qtype, const uint8_t *w, int n0, int n1, int K, uint16_t *out) {
     const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);
-#pragma omp parallel
+#pragma omp parallel num_threads(ss_parallel_threads())
     {
         float *row = malloc(sizeof(float) * (size_t)K);
 #pragma omp for schedule(static)
