@@ -189,3 +189,24 @@ def test_reblocking_needs_pairs_of_groups() -> None:
     x = torch.randn(2, 96)
     ref = x.double() @ w.dequantize().double().T
     assert torch.allclose(w(x).double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qt", [QT(t) for t in RAW_TYPES] + [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qt: QT, exact: bool) -> None:
+    """Every row of a native product comes out bit for bit as it does alone, beside 1 to 11 other rows (the
+    kernels take up to 8 rows at a time): the step's batch invariance on the fast path too, for every block
+    type a GGUF file may hold (speculative verification, prompt chunks beside decode rows, batch 8 against 1)."""
+    n, k = 40, 512
+    if qt in (QT.F16, QT.BF16):
+        w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
+        blocks = w32.to(torch.float16 if qt == QT.F16 else torch.bfloat16).view(torch.uint8).numpy()
+    else:
+        blocks = random_blocks(qt, n, k, seed=5)
+    w = as_linear(qt, blocks, n, k)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(6))
+    alone = torch.cat([native_product(w, x[i:i + 1], exact) for i in range(12)])
+    for rows in range(2, 13):
+        got = native_product(w, x[:rows], exact)
+        bad = [i for i in range(rows) if not torch.equal(got[i], alone[i])]
+        assert not bad, f"{rows} rows: rows {bad} differ from alone"

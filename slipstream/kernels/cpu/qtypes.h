@@ -694,20 +694,16 @@ static inline void qt_rb6_pack_row(const uint8_t *src, int K, uint8_t *dst) {
 }
 
 #if defined(SS_AVX2)
-#ifndef QT_RB6_LANES
-#define QT_RB6_LANES 2   // from this many activation rows on, lane-wise accumulation
-#endif
-#ifndef QT_RB6_ROWS_MAX
-#define QT_RB6_ROWS_MAX 3   // from this many rows on, the decoded-block path (in cache: as fast as the raw blocks)
-#endif
 // fast product of one re-blocked Q6_K row: codes - 32 signed (their sign moves to the activation), each
-// group's two sub-block scales applied in the integer sums (vpmaddwd), four groups per reduction
+// group's two sub-block scales applied in the integer sums (vpmaddwd), four groups per reduction. The same
+// arithmetic for every number of rows, so a row's result does not depend on the rows beside it: from 2 rows
+// on this used to accumulate lane-wise and from 3 to take the decoded-block path (batch 1 and batch 2 rows
+// then differed, and the K-quant file's batch-8 step was 1.28x slower: docs/BENCHMARKS.md).
 AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb, float *out) {
     const int G = K / 32;
     const uint8_t *hi = w + 16 * G, *scb = w + 24 * G, *dh = w + 26 * G;
     __m128 acc[MAX_ROWS];
-    __m256 acc8[MAX_ROWS];
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps(), acc8[b] = _mm256_setzero_ps();
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
     for (int sb = 0; sb < K / 256; sb++) {
         const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb));
@@ -737,18 +733,11 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
                     p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], av), sp[j]);
                 }
                 const __m128 f = _mm_mul_ps(dv, _mm_loadu_ps(xd + (int64_t)b * G + g));
-                if (nb >= QT_RB6_LANES) {   // many rows: no horizontal sums per row, a lane-wise fma per group
-                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[0]), _mm256_set1_ps(f[0]), acc8[b]);
-                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[1]), _mm256_set1_ps(f[1]), acc8[b]);
-                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[2]), _mm256_set1_ps(f[2]), acc8[b]);
-                    acc8[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[3]), _mm256_set1_ps(f[3]), acc8[b]);
-                } else {
-                    acc[b] = _mm_fmadd_ps(f, _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
-                }
+                acc[b] = _mm_fmadd_ps(f, _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
             }
         }
     }
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + hsum256(acc8[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]);
 }
 #endif
 
@@ -868,9 +857,7 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
 #define QT_RB_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
 #define QT_RB6_ROWS(NB) qt_rb6_q8_row(w, K, xq, xd, NB, out)
     QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL) QT_RB_CASE(QT_R_IQ4_XS) QT_RB_CASE(QT_R_Q5_K)
-    case QT_R_Q6_K:   // from QT_RB6_ROWS_MAX rows on the decoded-block path below is faster
-        if (nb < QT_RB6_ROWS_MAX) { SS_BY_ROWS(nb, QT_RB6_ROWS) return; }
-        break;
+    case QT_R_Q6_K: SS_BY_ROWS(nb, QT_RB6_ROWS) return;
 #undef QT_RB6_ROWS
 #undef QT_RB_CASE
 #undef QT_RB_ROWS

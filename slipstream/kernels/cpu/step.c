@@ -291,8 +291,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
     switch (m->qtype) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
-    case QT_R_Q6_K:   // from QT_RB6_ROWS_MAX rows on, qt_q8_row's decoded-block path is faster
-        if (nb >= QT_RB6_ROWS_MAX) return 0;
+    case QT_R_Q6_K:
         SS_BY_ROWS(nb, QTR6_LOOP)
         return 1;
     default: return 0;
