@@ -193,11 +193,15 @@ def test_reblocking_needs_pairs_of_groups() -> None:
 
 @pytest.mark.parametrize("qt", [QT(t) for t in RAW_TYPES] + [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("exact", [False, True], ids=["fast", "exact"])
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qt: QT, exact: bool) -> None:
+@pytest.mark.parametrize("k", [512, 576])   # 576: the last groups short of four (blocks of 32 only)
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qt: QT, exact: bool, k: int) -> None:
     """Every row of a native product comes out bit for bit as it does alone, beside 1 to 11 other rows (the
     kernels take up to 8 rows at a time): the step's batch invariance on the fast path too, for every block
-    type a GGUF file may hold (speculative verification, prompt chunks beside decode rows, batch 8 against 1)."""
-    n, k = 40, 512
+    type a GGUF file may hold (speculative verification, prompt chunks beside decode rows, batch 8 against 1).
+    Q6_K failed it until its kernel took one arithmetic for every row count."""
+    if k % 256 and int(qt) in RAW_TYPES and RAW_TYPES[int(qt)][1] == 256:
+        pytest.skip("a 256-weight block type")
+    n = 40
     if qt in (QT.F16, QT.BF16):
         w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
         blocks = w32.to(torch.float16 if qt == QT.F16 else torch.bfloat16).view(torch.uint8).numpy()
