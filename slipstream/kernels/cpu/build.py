@@ -18,12 +18,38 @@ SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
 HEADERS = ["simd.h", "ops.h", "qtypes.h", "amx.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
-FLAGS = ["-O3", "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+BASE_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+FLAGS = [*BASE_FLAGS, "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-fopenmp"]
+
+
+def _named_isa(flags: str) -> str | None:
+    """The -march that names the vector extensions /proc/cpuinfo's `flags` (x86) or `Features` (Arm) list,
+    for a compiler that does not take -march=native."""
+    have = set(flags.split())
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"} <= have:
+        return "x86-64-v4"
+    if {"avx2", "fma", "f16c", "bmi2"} <= have:
+        return "x86-64-v3"
+    if "asimddp" in have:
+        return "armv8.2-a+dotprod"
+    return None
+
+
+def flag_ladder() -> list[list[str]]:
+    """The flags to build with, best first. The CPU's own ISA (or SLIPSTREAM_MARCH); then, for a compiler that
+    refuses -march=native, the ISA level the CPU's flags name (x86-64-v3 on an AVX2 CPU); then the compiler's
+    default target (the kernels take the ISA it targets: NEON on every aarch64, the portable branch on plain
+    x86-64); then also without OpenMP, for a compiler without its runtime (clang with no libomp): the step's
+    own thread team does not need it, only the products outside the step run on one thread then."""
+    named = _named_isa(_cpu_id()) if "SLIPSTREAM_MARCH" not in os.environ else None
+    return [FLAGS, *([[*BASE_FLAGS, "-march=" + named, "-fopenmp"]] if named else []),
+            [*BASE_FLAGS, "-fopenmp"], BASE_FLAGS]
 
 
 def _cpu_id() -> str:
+    """The CPU's feature line: x86's `flags`, Arm's `Features`."""
     try:
-        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = platform.processor()
     return flags
@@ -33,6 +59,82 @@ def cache_dir() -> Path:
     root = os.environ.get("SLIPSTREAM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "slipstream")
     return Path(root) / "kernels"
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a built library may be found or put: the cache, then a per-user folder under the temporary
+    directory (a read-only or missing home, as in a container started with --read-only)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return [cache_dir(), Path(tempfile.gettempdir()) / f"slipstream-{uid}" / "kernels"]
+
+
+def _writable(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(d, os.W_OK | os.X_OK)
+
+
+def _compile(cc: str, flags: list[str], src: list[Path], out: Path) -> str | None:
+    """Build `out` (atomically: concurrent processes never see a half-written file); the compiler's
+    complaint on failure."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        try:
+            res = subprocess.run([cc, *flags, *map(str, src), "-o", str(tmp_out), "-lm"],
+                                 capture_output=True, text=True)
+        except OSError as e:   # $CC names no program
+            return str(e)
+        if res.returncode != 0:
+            return res.stderr[-500:] or f"{cc} exited with {res.returncode}"
+        os.replace(tmp_out, out)
+    return None
+
+
+def _build(cc: str) -> ctypes.CDLL | None:
+    """The library for this source, compiler and CPU: found in a cache folder, or built with the first flags
+    of `flag_ladder` that compile (with a warning when those are not the first). A library built with later
+    flags is found before the first flags are tried again: they failed with this very compiler and source."""
+    here = Path(__file__).parent
+    src = [here / s for s in SOURCES]
+    digest = hashlib.sha256()
+    for p in src + [here / h for h in HEADERS]:
+        digest.update(p.read_bytes())
+    ladder = flag_ladder()
+
+    def name(flags: list[str]) -> str:
+        key = digest.copy()
+        key.update(" ".join([cc, *flags, _cpu_id()]).encode())
+        return f"slipstream_cpu_{key.hexdigest()[:16]}.so"
+
+    found = next(((i, d / name(f)) for i, f in enumerate(ladder) for d in _cache_dirs()
+                  if (d / name(f)).exists()), None)
+    complaint = ""
+    if found is None:
+        where = next((d for d in _cache_dirs() if _writable(d)), None)
+        if where is None:
+            warnings.warn("native CPU kernels unavailable, using torch: no writable folder for them "
+                          f"({', '.join(map(str, _cache_dirs()))}; set SLIPSTREAM_CACHE)")
+            return None
+        for i, flags in enumerate(ladder):
+            failed = _compile(cc, flags, src, where / name(flags))
+            if failed is None:
+                found = i, where / name(flags)
+                break
+            complaint = complaint or failed
+        else:
+            warnings.warn(f"native CPU kernels unavailable, using torch: {complaint}")
+            return None
+    rung, path = found
+    if rung > 0:
+        warnings.warn(f"the native CPU kernels are built with `{' '.join(ladder[rung])}`: the compiler refused "
+                      f"`{' '.join(ladder[0])}`, so they may run slower. {complaint}".rstrip())
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:   # e.g. a cache on a noexec mount
+        warnings.warn(f"native CPU kernels unavailable, using torch: {e}")
+        return None
 
 
 @lru_cache(maxsize=None)
@@ -45,24 +147,9 @@ def load_library() -> ctypes.CDLL | None:
         warnings.warn("no C compiler found (gcc or cc, or $CC): the native CPU kernels are off and "
                       "decoding runs on torch, several times slower")
         return None
-    here = Path(__file__).parent
-    src = [here / s for s in SOURCES]
-    key = hashlib.sha256()
-    for p in src + [here / h for h in HEADERS]:
-        key.update(p.read_bytes())
-    key.update(" ".join([cc, *FLAGS, _cpu_id()]).encode())
-    out = cache_dir() / f"slipstream_cpu_{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            res = subprocess.run([cc, *FLAGS, *map(str, src), "-o", str(tmp_out), "-lm"],
-                                 capture_output=True, text=True)
-            if res.returncode != 0:  # e.g. a CPU without AVX-512: the torch paths still work
-                warnings.warn(f"native CPU kernels unavailable, using torch: {res.stderr[-500:]}")
-                return None
-            os.replace(tmp_out, out)  # atomic: concurrent processes never see a half-written file
-    lib = ctypes.CDLL(str(out))
+    lib = _build(cc)
+    if lib is None:
+        return None
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     f32 = ctypes.c_float
     signatures = {

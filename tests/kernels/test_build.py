@@ -1,0 +1,88 @@
+"""Building the C kernels where the first try fails: a compiler that refuses -march=native (or OpenMP), a cache
+folder that cannot be written. The library still loads, on the best ISA the compiler takes, with a warning."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.kernels.cpu import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = ("import warnings; warnings.simplefilter('always')\n"
+         "from slipstream.kernels.cpu import load_library as l\n"
+         "lib = l(); print(lib.ss_isa().decode() if lib else 'none', lib.ss_parallel_probe() if lib else 0)\n")
+
+
+def fake_compiler(tmp_path: Path, refuse: list[str]) -> Path:
+    """gcc behind a script that logs every call and fails on any of `refuse`, as a compiler without that
+    option (or without OpenMP's runtime) does."""
+    log = tmp_path / "calls.log"
+    cc = tmp_path / "cc"
+    cases = "".join(f"    {opt}) echo \"cc: error: unsupported option '{opt}'\" >&2; exit 1;;\n" for opt in refuse)
+    cc.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\nfor a in \"$@\"; do case \"$a\" in\n{cases}"
+                  f"  esac; done\nexec {shutil.which('gcc')} \"$@\"\n")
+    cc.chmod(0o755)
+    return cc
+
+
+def probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or not Path("/proc/cpuinfo").exists(), reason="needs gcc on Linux")
+def test_a_compiler_refusing_native_builds_for_the_isa_the_cpu_names_in_a_temp_folder(tmp_path: Path):
+    cc = fake_compiler(tmp_path, ["-march=native"])
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    env = {k: v for k, v in os.environ.items() if k not in ("SLIPSTREAM_MARCH", "SLIPSTREAM_NO_NATIVE")}
+    env.update(CC=str(cc), SLIPSTREAM_CACHE=str(unwritable / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    run = probe(env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert "-march=native" in calls[0]                   # the CPU's own ISA first
+    named = build._named_isa(build._cpu_id())
+    isa, threads = run.stdout.split()
+    if named is None:                                    # a CPU without AVX2: the compiler's default target
+        assert len(calls) == 2 and "-march" not in calls[1]
+    else:
+        assert len(calls) == 2 and f"-march={named}" in calls[1] and "-fopenmp" in calls[1]
+        assert isa != "portable"                          # vector kernels, not the scalar branch
+    assert int(threads) >= 1
+    assert "refused" in run.stderr and "-march=native" in run.stderr
+    assert list((tmp_path / "tmp").glob("slipstream-*/kernels/slipstream_cpu_*.so"))   # the temp folder
+    # the next process finds that build and does not ask the compiler again
+    again = probe(env)
+    assert again.returncode == 0 and again.stdout == run.stdout, again.stderr[-2000:]
+    assert len((tmp_path / "calls.log").read_text().splitlines()) == 2
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path: Path):
+    cc = fake_compiler(tmp_path, ["-fopenmp"])
+    env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_NO_NATIVE"}
+    env.update(CC=str(cc), SLIPSTREAM_CACHE=str(tmp_path / "cache"), SLIPSTREAM_MARCH="x86-64"
+               if os.uname().machine == "x86_64" else "armv8-a")
+    run = probe(env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [("-fopenmp" in c) for c in calls] == [True, True, False]
+    isa, threads = run.stdout.split()
+    assert threads == "1"                                 # no OpenMP: the regions outside the step on one thread
+    assert "refused" in run.stderr
+
+
+def test_the_named_isa_follows_the_cpus_flags():
+    v3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2"
+    assert build._named_isa(f"flags\t: {v3}") == "x86-64-v3"
+    assert build._named_isa(f"flags\t: {v3} avx512f avx512bw avx512cd avx512dq avx512vl") == "x86-64-v4"
+    assert build._named_isa("flags\t: fpu sse2 avx") is None
+    assert build._named_isa("Features\t: fp asimd asimddp") == "armv8.2-a+dotprod"
+    assert build._named_isa("Features\t: fp asimd") is None
