@@ -29,6 +29,8 @@ def _sigmoid_rows(g: torch.Tensor) -> torch.Tensor:
     of rows beside it. Here every element takes the vector loop: g padded to whole blocks of 64, at most 4096
     elements per call (below torch's thread split)."""
     flat = g.reshape(-1)
+    if flat.numel() == 0:   # no rows: torch.cat of no blocks would raise
+        return torch.sigmoid(g)
     padded = F.pad(flat, (0, -flat.numel() % 64))
     out = torch.cat([torch.sigmoid(padded[i:i + 4096]) for i in range(0, padded.numel(), 4096)])
     return out[:flat.numel()].view_as(g)

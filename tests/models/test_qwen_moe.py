@@ -207,6 +207,13 @@ def test_the_shared_gate_of_a_row_does_not_depend_on_the_rows_beside_it():
         torch.set_num_threads(threads)
 
 
+def test_the_shared_gate_of_no_rows_is_empty():
+    """As torch.sigmoid: an empty [0, 1] gate, not an error."""
+    from slipstream.models.qwen_moe import _sigmoid_rows
+    out = _sigmoid_rows(torch.empty(0, 1))
+    assert out.shape == (0, 1) and out.dtype == torch.float32
+
+
 def test_greedy_matches_generate(pair):
     check_greedy_matches_generate(*pair, VOCAB, 12)
 
