@@ -64,28 +64,32 @@ def _paged_case(lengths: list[int], H: int, KVH: int, D: int, g: torch.Generator
 # head sizes: multiples of 16 (the 512-bit body: 1, 2, 3 or 4 vectors of a 64-dim pass, 128 and 256 in two and
 # four) and of 8 or 4 only (the 256-bit body even on AVX-512 machines, the scalar loop); query heads per KV head
 # 1 to 7 (the 512-bit body takes scores three heads at a time and values four: 2 = 2 | 2, 5 = 3 + 2 | 4 + 1);
-# contexts of whole blocks of 8 and ones that leave 1 to 7 keys past them
-ATTN_CASES = [([7], 4, 2, 16), ([1, 130, 1500], 9, 3, 64), ([33, 5], 8, 8, 32), ([5, 67], 8, 2, 80),
-              ([9, 2], 6, 2, 20), ([3, 66], 4, 1, 256), ([13, 301], 14, 2, 48), ([9, 42], 12, 2, 96),
-              ([64, 17], 4, 2, 128), ([8, 40], 10, 2, 64), ([24, 3], 6, 2, 24), ([19, 72], 8, 4, 40),
-              ([50], 6, 2, 72)]
+# contexts of whole blocks of 8 and ones that leave 1 to 7 keys past them; 8 query heads per KV head at D = 128
+# (a common GQA shape); scores soft-capped (cap > 0, Gemma 2's cap * tanh(s / cap)) on the 512-bit body
+# (D 64 and 256) and on the 256-bit one (D 40); a cap of 2 changes the N(0, 1) scores' softmax well past tolerance
+ATTN_CASES = [([7], 4, 2, 16, 0.0), ([1, 130, 1500], 9, 3, 64, 0.0), ([33, 5], 8, 8, 32, 0.0),
+              ([5, 67], 8, 2, 80, 0.0), ([9, 2], 6, 2, 20, 0.0), ([3, 66], 4, 1, 256, 0.0),
+              ([13, 301], 14, 2, 48, 0.0), ([9, 42], 12, 2, 96, 0.0), ([64, 17], 4, 2, 128, 0.0),
+              ([8, 40], 10, 2, 64, 0.0), ([24, 3], 6, 2, 24, 0.0), ([19, 72], 8, 4, 40, 0.0), ([50], 6, 2, 72, 0.0),
+              ([37, 131], 16, 2, 128, 0.0), ([11, 70], 8, 2, 64, 2.0), ([5, 44], 6, 2, 256, 2.0),
+              ([21, 9], 8, 4, 40, 2.0)]
 
 
-@pytest.mark.parametrize("lengths,H,KVH,D", ATTN_CASES)
-def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int):
+@pytest.mark.parametrize("lengths,H,KVH,D,cap", ATTN_CASES)
+def test_attn_decode(lengths: list[int], H: int, KVH: int, D: int, cap: float):
     S = len(lengths)
     kc, vc, seq_slots, slots, starts, qkv, row = _paged_case(lengths, H, KVH, D,
                                                              torch.Generator().manual_seed(sum(lengths)))
     out = torch.empty(S, H * D)
     scale = D ** -0.5
     lib.attn_decode(qkv.data_ptr(), row, S, H, KVH, D, slots.data_ptr(), starts.data_ptr(),
-                    kc.data_ptr(), vc.data_ptr(), f32(scale), out.data_ptr())
-    want = ref.attn_decode(qkv[:, :H * D].view(S, H, D), kc, vc, seq_slots, scale)
+                    kc.data_ptr(), vc.data_ptr(), f32(scale), f32(cap), out.data_ptr())
+    want = ref.attn_decode(qkv[:, :H * D].view(S, H, D), kc, vc, seq_slots, scale, cap)
     torch.testing.assert_close(out.view(S, H, D), want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("lengths,H,KVH,D", ATTN_CASES + [([200], 9, 3, 64)])
-def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int):
+@pytest.mark.parametrize("lengths,H,KVH,D,cap", ATTN_CASES + [([200], 9, 3, 64, 0.0)])
+def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int, cap: float):
     """Attention over an fp16 cache (the fast path's default): the keys and values widened in registers
     give the reference's result over the same fp16 values to fp32 rounding (rtol 1e-4, atol 1e-5), and
     the fp32-cache result to within the cache's rounding (half precision: 2^-11 relative per element;
@@ -98,11 +102,13 @@ def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int):
     scale = D ** -0.5
     vp, i32 = ctypes.c_void_p, ctypes.c_int
     lib.attn_decode_f16(vp(qkv.data_ptr()), i32(row), i32(S), i32(H), i32(KVH), i32(D), vp(slots.data_ptr()),
-                        vp(starts.data_ptr()), vp(kh.data_ptr()), vp(vh.data_ptr()), f32(scale), vp(out.data_ptr()))
+                        vp(starts.data_ptr()), vp(kh.data_ptr()), vp(vh.data_ptr()), f32(scale), f32(cap),
+                        vp(out.data_ptr()))
     q = qkv[:, :H * D].view(S, H, D)
-    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kh.float(), vh.float(), seq_slots, scale),
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kh.float(), vh.float(), seq_slots, scale, cap),
                                rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kc, vc, seq_slots, scale), rtol=0, atol=2e-3)
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kc, vc, seq_slots, scale, cap),
+                               rtol=0, atol=2e-3)
 
 
 def test_f32_to_f16_rounds_as_torch():

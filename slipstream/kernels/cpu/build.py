@@ -159,7 +159,7 @@ def load_library() -> ctypes.CDLL | None:
         "q8_dequant": [vp, vp, i32, i32, vp],
         "rmsnorm": [vp, vp, i32, i32, f32, vp],
         "rope_store": [vp, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp, vp, vp],
-        "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, vp],
+        "attn_decode": [vp, i32, i32, i32, i32, i32, vp, vp, vp, vp, f32, f32, vp],
         "silu_mul": [vp, i32, i32, vp],
         "gelu_tanh_mul": [vp, i32, i32, vp],
         "ss_team_configure": [i32, i32, i32],

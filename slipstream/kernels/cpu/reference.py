@@ -38,12 +38,19 @@ def rope_store(qkv: torch.Tensor, H: int, KVH: int, D: int, cos: torch.Tensor, s
 
 
 def attn_decode(q: torch.Tensor, kcache: torch.Tensor, vcache: torch.Tensor,
-                seq_slots: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """q [S, H, D]: one query per sequence against the cache slots it owns -> [S, H, D]."""
+                seq_slots: list[torch.Tensor], scale: float, cap: float = 0.0) -> torch.Tensor:
+    """q [S, H, D]: one query per sequence against the cache slots it owns -> [S, H, D]. cap > 0: the
+    scores soft-capped, cap * tanh(s / cap), before the softmax (Gemma 2)."""
     out = []
     for s, slots in enumerate(seq_slots):
         k, v = kcache[slots].transpose(0, 1), vcache[slots].transpose(0, 1)   # [KVH, n, D]
         qs = q[s][:, None, :]                                                  # [H, 1, D]
+        if cap > 0:
+            group = q.shape[1] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            scores = qs @ k.transpose(1, 2) * scale                            # [H, 1, n]
+            out.append((torch.softmax(cap * torch.tanh(scores / cap), dim=-1) @ v)[:, 0, :])
+            continue
         out.append(F.scaled_dot_product_attention(qs, k, v, scale=scale,
                                                   enable_gqa=True)[:, 0, :])
     return torch.stack(out)
