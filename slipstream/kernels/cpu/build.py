@@ -7,6 +7,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import lru_cache
@@ -79,6 +80,9 @@ def _writable(d: Path) -> bool:
 def _compile(cc: str, flags: list[str], src: list[Path], out: Path) -> str | None:
     """Build `out` (atomically: concurrent processes never see a half-written file); the compiler's
     complaint on failure."""
+    if sys.stderr.isatty():   # a first run in a terminal (`make chat`) would otherwise sit silent meanwhile
+        target = next((f for f in flags if f.startswith("-march=")), "the compiler's default target")
+        print(f"slipstream: building the native CPU kernels ({target}), once: about a minute", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         try:
