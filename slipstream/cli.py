@@ -53,6 +53,9 @@ ENGINE_FLAGS: dict[str, dict] = {
                                    help="guesses verified per step with --speculative (default 4)"),
     "exact": dict(action="store_true",
                   help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path"),
+    "threads": dict(type=int, default=None, metavar="N",
+                    help="compute threads on the CPU (default: one per core this process may run on; "
+                         "SLIPSTREAM_THREADS sets that default)"),
     "kv_cache_dtype": dict(default="auto", metavar="{auto,fp32,fp16}",   # EngineConfig refuses others in one line
                            help="KV-cache element type on the CPU: fp16 holds twice the tokens in the same memory "
                                 "and halves what attention reads; auto: fp16 on the native fast path, fp32 with "

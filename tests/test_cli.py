@@ -321,3 +321,21 @@ def test_kv_cache_dtype_flag():
     assert fp16["token_ids"] == fp32["token_ids"] == eager16["token_ids"]
     _assert_one_line_error(run_cli("generate", "--kv-cache-dtype", "fp8", "-p", "Hello", "--max-tokens", "4"),
                            ["kv-cache-dtype", "fp8"])
+
+
+def test_threads_flag():
+    """--threads sizes the native step's team and torch's pool; the tokens do not depend on it (any number of
+    threads completes the same task table), and a count below 1 is one error line."""
+    skip_unless_default_model()
+    args = ("generate", "-p", PROMPT, "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--json")
+    one = _json(run_cli(*args, "--threads", "1"))
+    two = _json(run_cli(*args, "--threads", "2"))
+    assert one["token_ids"] == two["token_ids"] and len(one["token_ids"]) == 12
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; from slipstream import LLM; llm = LLM(threads=1, max_model_len=256); "
+         "print(llm.engine.runtime_name, llm.engine.runtime.threads, torch.get_num_threads())"],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split() == ["native", "1", "1"]
+    for bad in ("0", "-2"):
+        _assert_one_line_error(run_cli("generate", "--threads", bad, "-p", "Hello", "--max-tokens", "4"), ["threads"])

@@ -56,6 +56,10 @@ class EngineConfig:
     # fp32 under its exact path (compared with transformers) and under the eager CPU step. On a GPU the
     # cache takes the weights' dtype whatever this says ("auto" only).
     kv_cache_dtype: str = "auto"
+    # compute threads on the CPU (llama.cpp's -t): the native step's team and torch's pool for the eager step
+    # and prompt GEMMs. None: one per core this process may run on (SLIPSTREAM_THREADS overrides that default).
+    # Beside a busy neighbour the native team still shrinks below this to the cores left free.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         from slipstream.runtime.registry import runtime_names
@@ -74,6 +78,7 @@ class EngineConfig:
         integer("prefill_chunk", 1)
         integer("prefill_budget", 1, optional=True)
         integer("max_waiting", 1, optional=True)
+        integer("threads", 1, 1024, optional=True)
         p = self.prefill_pacing
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 1):
             raise EngineConfigError("prefill_pacing", f"must be a number > 1 (or off), got {p!r}")

@@ -92,6 +92,8 @@ class Engine:
         device = placement(self.runtime_name, model)
         if model.device.type != device:
             model.to(device)
+        if config.threads is not None and device == "cpu":
+            torch.set_num_threads(config.threads)   # the eager step and prompt GEMMs; the native team gets it below
         block_size = config.block_size
         self.kv = new_kv_cache(model, -(-kv_cache_tokens // block_size), block_size, kv_dtype)
         self.prefix_cache = PrefixCache(self.kv, enabled=config.enable_prefix_cache)
@@ -101,7 +103,7 @@ class Engine:
         self.runtime: Decoder = build_decoder(
             self.runtime_name, model, self.kv,
             DecoderOptions(max_rows=config.spec_rows, max_context=self.max_model_len,
-                           hints=runtime_hints or {}, exact=config.exact))
+                           hints=runtime_hints or {}, exact=config.exact, threads=config.threads))
         try:
             proposer = make_proposer(config.speculative, config.num_speculative_tokens, model, tokenizer)
         except ValueError as e:

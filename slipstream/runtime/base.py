@@ -51,6 +51,7 @@ class DecoderOptions:
     max_context: int | None = None    # longest context a step attends over
     hints: dict[str, Any] = field(default_factory=dict)   # a compiled artifact's kernel configs and plans
     exact: bool = False               # CPU: exact fp32-activation kernels instead of the int8-activation path
+    threads: int | None = None        # CPU: the native team's threads (None: one per core)
 
 
 class EagerDecoder:

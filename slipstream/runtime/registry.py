@@ -45,7 +45,7 @@ def _plain(cls: Any, model: Any, kv: Any, o: DecoderOptions) -> Decoder:
 
 
 def _cpu(cls: Any, model: Any, kv: Any, o: DecoderOptions) -> Decoder:
-    return cls(model, kv, exact=o.exact)
+    return cls(model, kv, exact=o.exact, threads=o.threads)
 
 
 def _graph(cls: Any, model: Any, kv: Any, o: DecoderOptions) -> Decoder:
