@@ -39,7 +39,8 @@ Usage::
     python benchmarks/cpu_decode.py --engines slipstream --runs 1 --max-tokens 16
     python benchmarks/cpu_decode.py --prompt-tokens 512 --json results.json
     python benchmarks/cpu_decode.py --engines slipstream --batch 8          # aggregate of 8 sequences
-    python benchmarks/cpu_decode.py --engines slipstream,llama.cpp --neighbour   # beside a busy process
+    python benchmarks/cpu_decode.py --engines slipstream,llama.cpp --neighbour   # beside a busy process, then
+                                                  # quiet and on one thread: the fair share's bound
     python benchmarks/cpu_decode.py --march x86-64-v3 --llama-path DIR      # the AVX2 pair on an AVX-512 CPU
 
 Engines: ``slipstream`` (the native runtime's default int8-activation path), ``slipstream-exact``
@@ -642,10 +643,12 @@ def parent_main(args: argparse.Namespace) -> int:
             print(f"  loaded in {res.load_s:.1f} s; tokens per run: {[len(r.token_ids) for r in res.runs]}{other_s}")
             if other is not None and other > BUSY_WARN_CORES:
                 print(f"  warning: {engine} shared the CPU with other processes; its numbers are unreliable")
+        quiet = quiet_speeds([r.engine for r in results if r.ok and r.runs], args, ids_file) if args.neighbour else {}
     summaries = {r.engine: _summary(r) for r in results if r.ok and r.runs}
     print()
     print_table(results, summaries)
     agree = print_agreement(results, summaries)
+    bounds = print_neighbour_bounds(summaries, quiet, args.threads) if args.neighbour else None
     limits = None
     if not args.no_bandwidth:
         limits = print_limits(results, summaries, measure_bandwidth(args.threads), gguf_weight_bytes(args.model))
@@ -657,10 +660,45 @@ def parent_main(args: argparse.Namespace) -> int:
                    "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "threads": args.threads,
                                 "prompt_tokens": len(ids), "batch": args.batch, "neighbour": args.neighbour,
                                 "march": args.march, "llama_path": args.llama_path},
-                   "summary": summaries, "agreement": agree, "limits": limits, "results": [asdict(r) for r in results]}
+                   "summary": summaries, "agreement": agree, "limits": limits, "neighbour_bounds": bounds,
+                   "results": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=1))
         print(f"raw numbers written to {args.json}")
     return 0 if all(r.ok or r.note.startswith("skipped") for r in results) else 1
+
+
+def quiet_speeds(engines: list[str], args: argparse.Namespace, ids_file: Path) -> dict[str, dict[int, float | None]]:
+    """With --neighbour: each engine's median decode tok/s without the neighbour, on --threads threads and on
+    one thread (run right after the neighbour runs, in the same conditions otherwise)."""
+    out: dict[str, dict[int, float | None]] = {}
+    for engine in engines:
+        out[engine] = {}
+        for threads in dict.fromkeys([args.threads, 1]):
+            print(f"running {engine} without the neighbour on {threads} thread(s) ...", flush=True)
+            res = run_child(engine, argparse.Namespace(**{**vars(args), "neighbour": False, "threads": threads}),
+                            ids_file)
+            tps = _summary(res).get("decode_tok_s") if res.ok and res.runs else None
+            out[engine][threads] = tps["median"] if tps else None
+    return out
+
+
+def print_neighbour_bounds(summaries: dict[str, dict[str, Any]], quiet: dict[str, dict[int, float | None]],
+                           threads: int) -> dict[str, Any]:
+    """Beside a neighbour that keeps every core busy, the scheduler's fair share leaves an engine about one
+    core: its one-thread quiet speed bounds what it can keep, whatever it does."""
+    report: dict[str, Any] = {}
+    for engine, q in quiet.items():
+        tps = summaries.get(engine, {}).get("decode_tok_s")
+        full, one = q.get(threads), q.get(1)
+        if not tps or not full or not one:
+            continue
+        busy = tps["median"]
+        report[engine] = {"beside": busy, "quiet": full, "quiet_one_thread": one,
+                          "of_quiet": busy / full, "bound_of_quiet": one / full, "of_bound": busy / one}
+        print(f"{engine} beside the neighbour: {busy:.1f} tok/s = {busy / full:.2f}x its quiet {full:.1f} on "
+              f"{threads} thread(s); one core alone (quiet, 1 thread, the fair share's bound) {one:.1f} = "
+              f"{one / full:.2f}x quiet, so beside the neighbour it keeps {busy / one:.2f}x of that bound")
+    return report
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -678,7 +716,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1,
                    help="slipstream engines: aggregate decode speed of this many sequences decoded together")
     p.add_argument("--neighbour", action="store_true",
-                   help="run a busy neighbour (a 2-thread matrix multiply) beside every engine")
+                   help="run a busy neighbour (a 2-thread matrix multiply) beside every engine, then each engine "
+                        "again without it, on --threads and on one thread (the fair share's bound)")
     p.add_argument("--march", default=None,
                    help="build slipstream's kernels for this -march (e.g. x86-64-v3 for AVX2 on an AVX-512 machine)")
     p.add_argument("--llama-path", default=None,
