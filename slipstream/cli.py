@@ -54,8 +54,8 @@ ENGINE_FLAGS: dict[str, dict] = {
     "exact": dict(action="store_true",
                   help="use the exact fp32-activation CPU kernels instead of the int8-activation fast path"),
     "threads": dict(type=int, default=None, metavar="N",
-                    help="compute threads on the CPU (default: one per core this process may run on; "
-                         "SLIPSTREAM_THREADS sets that default)"),
+                    help="compute threads on the CPU, per rank with --tensor-parallel (default: one per core this "
+                         "process may run on; SLIPSTREAM_THREADS sets that default)"),
     "kv_cache_dtype": dict(default="auto", metavar="{auto,fp32,fp16}",   # EngineConfig refuses others in one line
                            help="KV-cache element type on the CPU: fp16 holds twice the tokens in the same memory "
                                 "and halves what attention reads; auto: fp16 on the native fast path, fp32 with "
@@ -389,6 +389,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     replica_opts = _replica_options(args)
     if replica_opts is not None and args.tensor_parallel > 1:
         raise SlipstreamError("--tensor-parallel with --replicas is not supported yet: choose one")
+    if replica_opts is not None and config.threads is not None:
+        raise SlipstreamError("--threads sizes one engine; with --replicas use --replica-threads (threads per replica)")
     try:   # fail before loading the model if the address is taken
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:

@@ -325,8 +325,12 @@ def test_kv_cache_dtype_flag():
 
 def test_threads_flag():
     """--threads sizes the native step's team and torch's pool; the tokens do not depend on it (any number of
-    threads completes the same task table), and a count below 1 is one error line."""
+    threads completes the same task table), and a count below 1 is one error line; with --replicas it is refused
+    for --replica-threads."""
     skip_unless_default_model()
+    from slipstream.kernels.cpu import native_available
+    if not native_available():
+        pytest.skip("native CPU kernels unavailable")
     args = ("generate", "-p", PROMPT, "--max-tokens", "12", "--ignore-eos", "--temperature", "0", "--json")
     one = _json(run_cli(*args, "--threads", "1"))
     two = _json(run_cli(*args, "--threads", "2"))
@@ -337,5 +341,7 @@ def test_threads_flag():
         capture_output=True, text=True, timeout=TIMEOUT)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split() == ["native", "1", "1"]
-    for bad in ("0", "-2"):
+    for bad in ("0", "-2", "257"):
         _assert_one_line_error(run_cli("generate", "--threads", bad, "-p", "Hello", "--max-tokens", "4"), ["threads"])
+    _assert_one_line_error(run_cli("serve", "--threads", "2", "--replicas", "2", "--port", "1"),
+                           ["--threads", "--replica-threads"])

@@ -103,7 +103,7 @@ def tensor_parallel_llm(model: str | None, config: Any, world: int,
     config = replace(config, runtime="eager")
     backend, device = rank_device(world, 0)   # refuses too few GPUs before anything starts
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    threads = _threads(world)
+    threads = config.threads or _threads(world)   # per rank: --threads, else the cores shared among the ranks
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_follower, args=(r, world, init_method, model, threads, backend,
                                                  str(_device_of(device, r))),

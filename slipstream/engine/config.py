@@ -78,7 +78,7 @@ class EngineConfig:
         integer("prefill_chunk", 1)
         integer("prefill_budget", 1, optional=True)
         integer("max_waiting", 1, optional=True)
-        integer("threads", 1, 1024, optional=True)
+        integer("threads", 1, 256, optional=True)   # step.c's MAX_THREADS
         p = self.prefill_pacing
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 1):
             raise EngineConfigError("prefill_pacing", f"must be a number > 1 (or off), got {p!r}")

@@ -80,9 +80,90 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path: Path):
 
 
 def test_the_named_isa_follows_the_cpus_flags():
-    v3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2"
+    v3 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm"
     assert build._named_isa(f"flags\t: {v3}") == "x86-64-v3"
     assert build._named_isa(f"flags\t: {v3} avx512f avx512bw avx512cd avx512dq avx512vl") == "x86-64-v4"
     assert build._named_isa("flags\t: fpu sse2 avx") is None
+    assert build._named_isa("flags\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2") is None   # a VM hiding movbe, lzcnt
     assert build._named_isa("Features\t: fp asimd asimddp") == "armv8.2-a+dotprod"
     assert build._named_isa("Features\t: fp asimd") is None
+
+
+class FakeBuilds:
+    """build._compile and ctypes.CDLL stand-ins: a 'build' writes a file naming its flags, a 'load' returns the
+    flags it was built with, and `refuse` lists options the fake compiler rejects."""
+
+    def __init__(self, monkeypatch, refuse: tuple[str, ...] = ()):
+        self.calls: list[list[str]] = []
+        self.refuse = refuse
+        monkeypatch.setattr(build, "_compile", self.compile)
+        monkeypatch.setattr(build.ctypes, "CDLL", lambda path: Path(path).read_text())
+
+    def compile(self, cc, flags, src, out):
+        self.calls.append([*cc, *flags])
+        if any(f in self.refuse for f in flags):
+            return f"unsupported option {next(f for f in flags if f in self.refuse)}"
+        out.write_text(" ".join(flags))
+        return None
+
+
+def test_a_fallback_build_is_never_taken_for_the_first_choice(monkeypatch, tmp_path):
+    """A library built with flags that are a later step's (SLIPSTREAM_MARCH=x86-64-v3 here, or a build that
+    fell back) is not loaded by a run whose first flags differ: that run tries its own first flags."""
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_cpu_id", lambda: "flags : avx2 fma f16c bmi1 bmi2 movbe abm")
+    fake = FakeBuilds(monkeypatch)
+    monkeypatch.setenv("SLIPSTREAM_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in build._build(["cc"])
+    monkeypatch.delenv("SLIPSTREAM_MARCH")
+    assert "-march=native" in build._build(["cc"])            # built anew, not the x86-64-v3 library
+    assert len(fake.calls) == 2 and "-march=native" in fake.calls[1]
+    # a compiler refusing -march=native: the named level, as a fallback, found again without a compile
+    fake2 = FakeBuilds(monkeypatch, refuse=("-march=native",))
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path / "other"))
+    with pytest.warns(UserWarning, match="refused"):
+        assert "-march=x86-64-v3" in build._build(["cc"])
+    with pytest.warns(UserWarning, match="refused"):
+        assert "-march=x86-64-v3" in build._build(["cc"])
+    assert len(fake2.calls) == 2
+
+
+def test_without_openmp_the_isa_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    monkeypatch.delenv("SLIPSTREAM_MARCH", raising=False)
+    fake = FakeBuilds(monkeypatch, refuse=("-fopenmp",))
+    with pytest.warns(UserWarning, match="refused"):
+        flags = build._build(["cc"])
+    assert "-march=native" in flags and "-fopenmp" not in flags
+    assert all("-fopenmp" in c for c in fake.calls[:-1])
+
+
+def test_a_temp_folder_others_can_write_is_not_used(monkeypatch, tmp_path):
+    """With the cache unwritable, the per-user temp folder is used only when it is private: a folder another
+    user could write to (and plant a library in) is refused."""
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(unwritable / "cache"))
+    monkeypatch.setattr(build.tempfile, "tempdir", str(tmp_path))
+    FakeBuilds(monkeypatch)
+    shared = tmp_path / f"slipstream-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(UserWarning, match="no writable folder"):
+        assert build._build(["cc"]) is None
+    shared.chmod(0o700)
+    assert build._build(["cc"]) is not None
+    assert list(shared.glob("kernels/slipstream_cpu_*.so"))
+
+
+def test_cc_may_hold_a_wrapper_and_its_arguments(monkeypatch):
+    monkeypatch.setenv("CC", "ccache gcc")
+    monkeypatch.delenv("SLIPSTREAM_NO_NATIVE", raising=False)
+    asked: list[list[str]] = []
+    monkeypatch.setattr(build, "_build", lambda cc: asked.append(cc))
+    build.load_library.cache_clear()
+    try:
+        assert build.load_library() is None
+    finally:
+        build.load_library.cache_clear()   # the next caller builds (or finds) the real library
+    assert asked == [["ccache", "gcc"]]

@@ -5,6 +5,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,16 +21,16 @@ HEADERS = ["simd.h", "ops.h", "qtypes.h", "amx.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
 BASE_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
-FLAGS = [*BASE_FLAGS, "-march=" + os.environ.get("SLIPSTREAM_MARCH", "native"), "-fopenmp"]
 
 
 def _named_isa(flags: str) -> str | None:
     """The -march that names the vector extensions /proc/cpuinfo's `flags` (x86) or `Features` (Arm) list,
     for a compiler that does not take -march=native."""
     have = set(flags.split())
-    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c", "bmi2"} <= have:
+    v3 = {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}   # abm: lzcnt, as the kernel lists it
+    if v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= have:
         return "x86-64-v4"
-    if {"avx2", "fma", "f16c", "bmi2"} <= have:
+    if v3 <= have:
         return "x86-64-v3"
     if "asimddp" in have:
         return "armv8.2-a+dotprod"
@@ -40,11 +41,11 @@ def flag_ladder() -> list[list[str]]:
     """The flags to build with, best first. The CPU's own ISA (or SLIPSTREAM_MARCH); then, for a compiler that
     refuses -march=native, the ISA level the CPU's flags name (x86-64-v3 on an AVX2 CPU); then the compiler's
     default target (the kernels take the ISA it targets: NEON on every aarch64, the portable branch on plain
-    x86-64); then also without OpenMP, for a compiler without its runtime (clang with no libomp): the step's
-    own thread team does not need it, only the products outside the step run on one thread then."""
+    x86-64); then each of those without OpenMP, for a compiler without its runtime (clang with no libomp): the
+    step's own thread team does not need it, only the products outside the step run on one thread then."""
     named = _named_isa(_cpu_id()) if "SLIPSTREAM_MARCH" not in os.environ else None
-    return [FLAGS, *([[*BASE_FLAGS, "-march=" + named, "-fopenmp"]] if named else []),
-            [*BASE_FLAGS, "-fopenmp"], BASE_FLAGS]
+    targets = [["-march=" + os.environ.get("SLIPSTREAM_MARCH", "native")], *([["-march=" + named]] if named else []), []]
+    return [[*BASE_FLAGS, *t, *omp] for omp in (["-fopenmp"], []) for t in targets]
 
 
 def _cpu_id() -> str:
@@ -62,13 +63,6 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cache_dirs() -> list[Path]:
-    """Where a built library may be found or put: the cache, then a per-user folder under the temporary
-    directory (a read-only or missing home, as in a container started with --read-only)."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return [cache_dir(), Path(tempfile.gettempdir()) / f"slipstream-{uid}" / "kernels"]
-
-
 def _writable(d: Path) -> bool:
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -77,29 +71,55 @@ def _writable(d: Path) -> bool:
     return os.access(d, os.W_OK | os.X_OK)
 
 
-def _compile(cc: str, flags: list[str], src: list[Path], out: Path) -> str | None:
+def _private_temp_dir() -> Path | None:
+    """A per-user folder under the temporary directory, for a cache that cannot be written (a read-only or
+    missing home, as in a container started with --read-only): made 0700, and used only while it is this
+    user's own and nobody else can write to it (another user could otherwise plant a library there)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    d = Path(tempfile.gettempdir()) / f"slipstream-{uid}"
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = d.stat()
+        if st.st_uid != uid or st.st_mode & 0o022:
+            return None
+        (d / "kernels").mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return d / "kernels"
+
+
+def _cache_dirs() -> list[Path]:
+    """Where a built library may be found, and the first of them where one may be put: the cache, or, when it
+    cannot be written, the cache (it may hold a library already) then a private temp folder."""
+    main = cache_dir()
+    if _writable(main):
+        return [main]
+    temp = _private_temp_dir()
+    return [main] + ([temp] if temp is not None else [])
+
+
+def _compile(cc: list[str], flags: list[str], src: list[Path], out: Path) -> str | None:
     """Build `out` (atomically: concurrent processes never see a half-written file); the compiler's
     complaint on failure."""
-    if sys.stderr.isatty():   # a first run in a terminal (`make chat`) would otherwise sit silent meanwhile
-        target = next((f for f in flags if f.startswith("-march=")), "the compiler's default target")
-        print(f"slipstream: building the native CPU kernels ({target}), once: about a minute", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_out = Path(tmp) / out.name
-        try:
-            res = subprocess.run([cc, *flags, *map(str, src), "-o", str(tmp_out), "-lm"],
+    try:
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            res = subprocess.run([*cc, *flags, *map(str, src), "-o", str(tmp_out), "-lm"],
                                  capture_output=True, text=True)
-        except OSError as e:   # $CC names no program
-            return str(e)
-        if res.returncode != 0:
-            return res.stderr[-500:] or f"{cc} exited with {res.returncode}"
-        os.replace(tmp_out, out)
+            if res.returncode != 0:
+                return res.stderr[-500:] or f"{cc[0]} exited with {res.returncode}"
+            os.replace(tmp_out, out)
+    except OSError as e:   # $CC names no program, the disk is full, ...
+        return str(e)
     return None
 
 
-def _build(cc: str) -> ctypes.CDLL | None:
+def _build(cc: list[str]) -> ctypes.CDLL | None:
     """The library for this source, compiler and CPU: found in a cache folder, or built with the first flags
-    of `flag_ladder` that compile (with a warning when those are not the first). A library built with later
-    flags is found before the first flags are tried again: they failed with this very compiler and source."""
+    of `flag_ladder` that compile (with a warning when those are not the first). A fallback build's name holds
+    the first flags too, so it is found again only where those were refused, never where they are the ones
+    asked for (SLIPSTREAM_MARCH) or where other first flags apply; once found, the first flags are not tried
+    again (remove the cache folder to retry them, e.g. after installing an OpenMP runtime)."""
     here = Path(__file__).parent
     src = [here / s for s in SOURCES]
     digest = hashlib.sha256()
@@ -107,24 +127,29 @@ def _build(cc: str) -> ctypes.CDLL | None:
         digest.update(p.read_bytes())
     ladder = flag_ladder()
 
-    def name(flags: list[str]) -> str:
+    def name(rung: int) -> str:
         key = digest.copy()
-        key.update(" ".join([cc, *flags, _cpu_id()]).encode())
+        key.update(" ".join([*cc, *ladder[rung], _cpu_id()]).encode())
+        if rung > 0:
+            key.update((" after " + " ".join(ladder[0])).encode())
         return f"slipstream_cpu_{key.hexdigest()[:16]}.so"
 
-    found = next(((i, d / name(f)) for i, f in enumerate(ladder) for d in _cache_dirs()
-                  if (d / name(f)).exists()), None)
+    dirs = _cache_dirs()
+    found = next(((i, d / name(i)) for i in range(len(ladder)) for d in dirs if (d / name(i)).exists()), None)
     complaint = ""
     if found is None:
-        where = next((d for d in _cache_dirs() if _writable(d)), None)
+        where = next((d for d in dirs if _writable(d)), None)
         if where is None:
             warnings.warn("native CPU kernels unavailable, using torch: no writable folder for them "
-                          f"({', '.join(map(str, _cache_dirs()))}; set SLIPSTREAM_CACHE)")
+                          f"({', '.join(map(str, dirs))}; set SLIPSTREAM_CACHE)")
             return None
+        if sys.stderr.isatty():   # a first run in a terminal (`make chat`) would otherwise sit silent meanwhile
+            print("slipstream: building the native CPU kernels for this CPU, once: about a minute",
+                  file=sys.stderr, flush=True)
         for i, flags in enumerate(ladder):
-            failed = _compile(cc, flags, src, where / name(flags))
+            failed = _compile(cc, flags, src, where / name(i))
             if failed is None:
-                found = i, where / name(flags)
+                found = i, where / name(i)
                 break
             complaint = complaint or failed
         else:
@@ -146,8 +171,8 @@ def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when no C compiler is available."""
     if os.environ.get("SLIPSTREAM_NO_NATIVE"):
         return None
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("gcc") or shutil.which("cc"),) if c]
+    if not cc:   # CC may hold a wrapper and its arguments ("ccache gcc")
         warnings.warn("no C compiler found (gcc or cc, or $CC): the native CPU kernels are off and "
                       "decoding runs on torch, several times slower")
         return None
