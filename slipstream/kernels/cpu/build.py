@@ -171,8 +171,9 @@ def load_library() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when no C compiler is available."""
     if os.environ.get("SLIPSTREAM_NO_NATIVE"):
         return None
-    cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("gcc") or shutil.which("cc"),) if c]
-    if not cc:   # CC may hold a wrapper and its arguments ("ccache gcc")
+    default_cc = shutil.which("gcc") or shutil.which("cc")
+    cc = shlex.split(os.environ.get("CC", "")) or ([default_cc] if default_cc else [])   # CC may be "ccache gcc"
+    if not cc:
         warnings.warn("no C compiler found (gcc or cc, or $CC): the native CPU kernels are off and "
                       "decoding runs on torch, several times slower")
         return None
