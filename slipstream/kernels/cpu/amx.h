@@ -192,12 +192,10 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) SSTileCfg;
 
-// tile registers (macros: the intrinsics paste their number into the instruction): four sums in flight,
+// tile registers (macros: the intrinsics paste their number into the instruction): two sums in flight,
 // two weight and two activation operands taken in turn
 #define T_C0 0
 #define T_C1 1
-#define T_C2 2
-#define T_C3 3
 #define T_A0 4
 #define T_A1 5
 #define T_B0 6
@@ -221,37 +219,49 @@ static inline int amx_on(void) {
 
 // The tile shapes, a constant: built on the stack, GCC dropped its field stores once the function was
 // inlined (it does not see ldtilecfg read them) and the first tile load faulted.
+// One multiply takes a PAIR of groups (64 codes) at full tile size: A = 16 weight rows x 64 codes (groups g
+// and g+1 side by side, as the rows hold them), B = block-diagonal: its columns 0-7 are the activation rows'
+// codes of group g (code quads 0-7, zero for quads 8-15), columns 8-15 those of group g+1 (zero for quads
+// 0-7). C's row r then holds weight row r's sums of group g against the 8 activation rows, then of group g+1.
+// Half of B's bytes are zeros, but a 16 x 16 x 64 multiply costs the tile unit what the 16 x 8 x 32 one of a
+// single group did (the same 16 A rows go through), so each group costs half the tile time; the groups
+// stay apart, and the fp32 arithmetic (amx_epilogue) is the one every kernel here follows.
 static const SSTileCfg amx_cfg = {
     .palette = 1,
-    // 16 weight rows x 8 int32 sums (C0-C3), 16 weight rows x 32 codes (A0, A1), 8 code quads x 8 rows (B0, B1)
-    .colsb = {[T_C0] = 32, [T_C1] = 32, [T_C2] = 32, [T_C3] = 32, [T_A0] = 32, [T_A1] = 32, [T_B0] = 32, [T_B1] = 32},
-    .rows = {[T_C0] = 16, [T_C1] = 16, [T_C2] = 16, [T_C3] = 16, [T_A0] = 16, [T_A1] = 16, [T_B0] = 8, [T_B1] = 8},
+    .colsb = {[T_C0] = 64, [T_C1] = 64, [T_A0] = 64, [T_A1] = 64, [T_B0] = 64, [T_B1] = 64},
+    .rows = {[T_C0] = 16, [T_C1] = 16, [T_A0] = 16, [T_A1] = 16, [T_B0] = 16, [T_B1] = 16},
 };
 
 AI void amx_configure(void) { _tile_loadconfig(&amx_cfg); }
 
 // The activation side of one call: B tiles and per-group scales for up to 8 rows (rows past nb are zero).
 typedef struct {
-    int32_t *b;   // [G][8 code quads][8 rows]: B of group g at b + 64 g (lo half: quads 0-3, hi: 4-7)
-    float *d;     // [G][16]: the rows' scales d[m][g], twice (two weight rows share a vector)
-    float *s;     // [G][16]: the rows' sums s[m][g] (d x sum of codes), twice
+    int32_t *b;   // [(G + 1) / 2][16 code quads][16 columns]: B of group pair p at b + 256 p (see amx_cfg)
+    float *d;     // [G][16]: the rows' scales d[m][g] (lanes 0-7; 8-15 a copy)
+    float *s;     // [G][16]: the rows' sums s[m][g] (d x sum of codes), likewise
 } AmxAct;
 
 static __thread void *amx_buf;
 static __thread int64_t amx_cap;
 
 static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K, int nb) {
-    const int G = K / 32;
-    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)G * (256 + 128));
-    AmxAct a = {(int32_t *)buf, (float *)(buf + (int64_t)G * 256), NULL};
+    const int G = K / 32, P = (G + 1) / 2;
+    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)P * 1024 + (int64_t)G * 128);
+    AmxAct a = {(int32_t *)buf, (float *)(buf + (int64_t)P * 1024), NULL};
     a.s = a.d + (int64_t)G * 16;
     const __mmask8 live = (__mmask8)((1u << nb) - 1);   // rows past nb read as zero
     const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K / 4));
     const __m256i grow = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(G));
-    for (int g = 0; g < G; g++) {
-        for (int j = 0; j < 8; j++)   // code quad j of group g, across the rows
-            _mm256_store_si256((__m256i *)(a.b + 64 * g + 8 * j),
-                               _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), live, rows, xq + 32 * g + 4 * j, 4));
+    const __m256i zero = _mm256_setzero_si256();
+    for (int g = 0; g < 2 * P; g++) {
+        const int h = g & 1;   // group g's quads are B's rows 8h..8h+7, its columns 8h..8h+7; the others zero
+        int32_t *b = a.b + 256 * (g >> 1) + 128 * h;
+        for (int j = 0; j < 8; j++) {   // code quad j of group g, across the rows
+            const __m256i q = g < G ? _mm256_mmask_i32gather_epi32(zero, live, rows, xq + 32 * g + 4 * j, 4) : zero;
+            _mm256_store_si256((__m256i *)(b + 16 * j + 8 * h), q);
+            _mm256_store_si256((__m256i *)(b + 16 * j + 8 * (1 - h)), zero);
+        }
+        if (g >= G) continue;
         const __m256 d = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xd + g, 4);
         const __m256 sm = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xs + g, 4);
         _mm512_store_ps(a.d + 16 * g, _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1));
@@ -260,29 +270,25 @@ static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K
     return a;
 }
 
-// acc[j] (weight rows 2j, 2j+1 x 8 activation rows) += the scaled sums of group g in c; sw16, mw16: the 16 rows'
-// scales and offsets of the group (tile_scales), a pair of rows' taken by one permutation
-static const int32_t amx_pair_pick[8][16] __attribute__((aligned(64))) = {
-    {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
-    {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5}, {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7},
-    {8, 8, 8, 8, 8, 8, 8, 8, 9, 9, 9, 9, 9, 9, 9, 9}, {10, 10, 10, 10, 10, 10, 10, 10, 11, 11, 11, 11, 11, 11, 11, 11},
-    {12, 12, 12, 12, 12, 12, 12, 12, 13, 13, 13, 13, 13, 13, 13, 13}, {14, 14, 14, 14, 14, 14, 14, 14, 15, 15, 15, 15, 15, 15, 15, 15},
-};
-AI void amx_epilogue(__m512 acc[8], const int32_t *c, const AmxAct *a, int g, const float *sw16, const float *mw16,
-                     int q4) {
-    const __m512 d = _mm512_load_ps(a->d + 16 * g), s = _mm512_load_ps(a->s + 16 * g);
-    const __m512 w = _mm512_load_ps(sw16), o = _mm512_load_ps(mw16);
-    for (int j = 0; j < 8; j++) {
-        const __m512i pick = _mm512_load_si512(amx_pair_pick[j]);
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * j)), d);
-        acc[j] = _mm512_fmadd_ps(v, _mm512_permutexvar_ps(pick, w), acc[j]);
-        if (q4) acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(pick, o), s, acc[j]);
+// acc[r] (weight row r x 8 activation rows) += the scaled sums of the ng (1 or 2) groups from g in c (the
+// pair's C: row r = [group g: 8 sums | group g+1: 8 sums]); sw, mw: [4][16] the block's scales and offsets of
+// four groups (tile_scales), group g's at index i. 256-bit lanes = activation rows, so a weight row's scale
+// is one broadcast load (the load ports have room; the vector ports are this kernel's bottleneck): no permutes.
+AI void amx_epilogue(__m256 acc[16], const int32_t *c, const AmxAct *a, int g, int ng, const float (*sw)[16],
+                     const float (*mw)[16], int i, int q4) {
+    for (int h = 0; h < ng; h++) {
+        const __m256 d = _mm256_load_ps(a->d + 16 * (g + h)), s = _mm256_load_ps(a->s + 16 * (g + h));
+        for (int r = 0; r < 16; r++) {
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(c + 16 * r + 8 * h))), d);
+            acc[r] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(&sw[i + h][r]), acc[r]);
+            if (q4) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mw[i + h][r]), s, acc[r]);
+        }
     }
 }
 
 // Groups g..g+3 (those below G) of 16 q4 rows as codes 0..15, row r at buf + 128 r: a row's 64 bytes
 // (16 per group) become [g low nibbles 16 | g high nibbles 16 | g+1 low | g+1 high] ..., each group's 32
-// codes in order
+// codes in order (a pair of groups: 64 bytes, one A row)
 AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *buf) {
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i mix0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), mix1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
@@ -298,8 +304,9 @@ AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *b
 
 // Weight rows [n0, n0 + 16 blocks) of a q4 (q4 = 1) or q8 matrix against the prepared activation rows:
 // y[m * ystride + n] (=|+=) W[n] . X[m] (+ bias[n]) for m < nb.
-// Group g's product goes to sum tile g % 4 and is scaled three groups later (amx_epilogue), so the
-// tile unit works while the vector units scale: with one group in flight the two took turns.
+// Pair p's product goes to sum tile p % 2, is stored one pair later and scaled the pair after that
+// (amx_epilogue), so the tile unit works while the vector units scale, and a tile store reaches the vector
+// loads that read it a pair after it was issued.
 // pf: prefetch the next block of 16 rows (within n_all rows) while this one multiplies: the hardware
 // prefetchers alone do not follow 16 rows read 64 bytes at a time (the step's batch-8 gate/up products
 // took as long as on the vector kernels without it).
@@ -307,67 +314,66 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
                     const int q4, int K, int64_t n0,
                     int blocks, const AmxAct *a, int nb, const float *bias, float *y, int ystride,
                     int accumulate, int pf, int64_t n_all) {
-    enum { LAG = 3 };
-    const int G = K / 32;
+    const int G = K / 32, P = (G + 1) / 2;
     const int64_t row_bytes = q4 ? K / 2 : K;
     // q4: 16 rows x 4 groups of 32 codes (0..15), unpacked four groups ahead: tile loads of data that
     // vector stores have just written wait for the stores to drain (perf: the hottest instruction)
     _Alignas(64) uint8_t abuf[2][16 * 128];
-    _Alignas(64) int32_t cbuf[2][16 * 8];   // sums stored one group before they are read
-    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[8 * 16];   // scales of two blocks of 4 groups
+    _Alignas(64) uint8_t odd[16 * 64];        // q8 with G odd: the last group's rows, zero-padded to a pair
+    _Alignas(64) int32_t cbuf[2][16 * 16];    // sums stored one pair before they are read
+    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[16 * 8];   // scales of two blocks of 4 groups
     const __m512i pick_m = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    if (!q4 && (G & 1)) memset(odd, 0, sizeof odd);
     amx_configure();
     for (int blk = 0; blk < blocks; blk++) {
         const int64_t n = n0 + 16 * (int64_t)blk;
         const uint8_t *w = (const uint8_t *)wq + n * row_bytes;
-        __m512 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm512_setzero_ps();
-#define AMX_STORE_C(t) switch ((t) & 3) { \
-            case 0: _tile_stored(T_C0, cbuf[(t) & 1], 32); break; case 1: _tile_stored(T_C1, cbuf[(t) & 1], 32); break; \
-            case 2: _tile_stored(T_C2, cbuf[(t) & 1], 32); break; default: _tile_stored(T_C3, cbuf[(t) & 1], 32); }
-#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, (p), sw[((p) >> 2) & 1][(p) & 3], mw[((p) >> 2) & 1][(p) & 3], q4)
+        __m256 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm256_setzero_ps();
+#define AMX_STORE_C(p) if ((p) & 1) _tile_stored(T_C1, cbuf[1], 64); else _tile_stored(T_C0, cbuf[0], 64);
+#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, 2 * (p), G - 2 * (p) < 2 ? 1 : 2, \
+                                  (const float (*)[16])sw[((p) >> 1) & 1], (const float (*)[16])mw[((p) >> 1) & 1], \
+                                  2 * ((p) & 1), q4)
         if (q4) amx_unpack(w, row_bytes, 0, G, abuf[0]);
-        for (int g = 0; g < G; g++) {
-            const int i = g & 3;
+        for (int p = 0; p < P; p++) {
+            const int g = 2 * p, i = p & 1;   // groups g, g+1: the i-th pair of the block of four groups from g - 2i
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
                 if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
                     amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g);
-                tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
-                if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((g >> 2) + 1) & 1]);
+                tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(p >> 1) & 1], mw[(p >> 1) & 1]);
+                if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((p >> 1) + 1) & 1]);
             }
-            const void *A = q4 ? (const void *)(abuf[(g >> 2) & 1] + 32 * i) : (const void *)(w + 32 * g);
-            const int64_t astride = q4 ? 128 : row_bytes;
-            if (g & 1) {
+            const void *A = q4 ? (const void *)(abuf[(p >> 1) & 1] + 64 * i) : (const void *)(w + 32 * g);
+            int64_t astride = q4 ? 128 : row_bytes;
+            if (!q4 && g + 1 == G) {   // q8, the last group alone: its 32 bytes would end past the row
+                for (int r = 0; r < 16; r++) memcpy(odd + 64 * r, w + r * row_bytes + 32 * g, 32);
+                A = odd, astride = 64;
+            }
+            if (p & 1) {
                 _tile_loadd(T_A1, A, astride);
-                _tile_loadd(T_B1, a->b + 64 * g, 32);
+                _tile_loadd(T_B1, a->b + 256 * p, 64);
+                _tile_zero(T_C1);
+                if (q4) _tile_dpbusd(T_C1, T_A1, T_B1); else _tile_dpbssd(T_C1, T_A1, T_B1);
             } else {
                 _tile_loadd(T_A0, A, astride);
-                _tile_loadd(T_B0, a->b + 64 * g, 32);
+                _tile_loadd(T_B0, a->b + 256 * p, 64);
+                _tile_zero(T_C0);
+                if (q4) _tile_dpbusd(T_C0, T_A0, T_B0); else _tile_dpbssd(T_C0, T_A0, T_B0);
             }
-#define AMX_DP(C) if (g & 1) { if (q4) _tile_dpbusd(C, T_A1, T_B1); else _tile_dpbssd(C, T_A1, T_B1); } \
-                  else { if (q4) _tile_dpbusd(C, T_A0, T_B0); else _tile_dpbssd(C, T_A0, T_B0); }
-            switch (i) {
-            case 0: _tile_zero(T_C0); AMX_DP(T_C0) break;
-            case 1: _tile_zero(T_C1); AMX_DP(T_C1) break;
-            case 2: _tile_zero(T_C2); AMX_DP(T_C2) break;
-            default: _tile_zero(T_C3); AMX_DP(T_C3)
-            }
-#undef AMX_DP
-            // the sums of group g - LAG stored, those of g - LAG - 1 (stored a group ago: a tile store
-            // reaches the vector loads late) scaled while this group multiplies
-            if (g >= LAG) AMX_STORE_C(g - LAG)
-            if (g > LAG) AMX_SCALE(g - LAG - 1);
+            // the sums of pair p - 1 stored, those of p - 2 (stored a pair ago: a tile store reaches the
+            // vector loads late) scaled while this pair multiplies
+            if (p >= 1) AMX_STORE_C(p - 1)
+            if (p >= 2) AMX_SCALE(p - 2);
         }
-        for (int p = G > LAG ? G - LAG : 0; p <= G; p++) {
-            if (p < G) AMX_STORE_C(p)
-            if (p > 0 && p - 1 >= G - LAG - 1) AMX_SCALE(p - 1);
-        }
+        AMX_STORE_C(P - 1)
+        if (P >= 2) AMX_SCALE(P - 2);
+        AMX_SCALE(P - 1);
 #undef AMX_SCALE
 #undef AMX_STORE_C
-        for (int j = 0; j < 8; j++) _mm512_store_ps(out + 16 * j, acc[j]);
+        for (int r = 0; r < 16; r++) _mm256_store_ps(out + 8 * r, acc[r]);
         const __m512 b16 = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < nb; m++) {   // activation row m's 16 results: lanes m and 8 + m of the pairs
+        for (int m = 0; m < nb; m++) {   // activation row m's 16 results: lane m of each weight row
             float *yo = y + (int64_t)m * ystride + n;
             __m512 v = _mm512_add_ps(_mm512_i32gather_ps(pick_m, out + m, 4), b16);
             if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(yo), v);
