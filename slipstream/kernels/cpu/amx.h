@@ -1,8 +1,11 @@
 // The fast path's q4 and q8 products on AVX-512 VNNI CPUs: one arithmetic, two kernels, bitwise alike.
 //
 // The arithmetic: each group of 32 codes gets its exact int32 sum against the activation row's int8 codes,
-// then per output (weight row n, activation row m), group by group in order,
-//     acc = fma(float(sum) * d[m][g], sc[n][g], acc);  acc = fma(mn[n][g], s[m][g], acc)   (mn: q4 only)
+// then per output (weight row n, activation row m), the even groups in order into one sum and the odd
+// groups into another,
+//     acc[g % 2] = fma(float(sum) * d[m][g], sc[n][g], acc[g % 2]);  acc[g % 2] = fma(mn[n][g], s[m][g], acc[g % 2])
+// (mn: q4 only), and the output is acc[0] + acc[1]. Two sums, because the tiles multiply groups in pairs
+// and keep a pair's two groups in neighbouring lanes (amx_epilogue).
 // The kernels:
 //   * AMX tiles (Sapphire Rapids and later), for 6+ (q4) or 2+ (q8) activation rows, 16 weight rows at a
 //     time. Why: at batch 8 the paired AVX-512 kernels are bound by their two vector ports (~26
@@ -152,13 +155,13 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
 // groups g..g+3 and, with g = 0, the block's scales and mins (contiguous in either layout: the tile-ordered
 // copy when there is one, which is what the kernels then read)
 AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
-                           int q4, int G, int64_t row_bytes, int64_t n, int g) {
+                           int q4, int G, int64_t row_bytes, int64_t n, int g, int r0, int r1) {
     const uint8_t *nx = (const uint8_t *)wq + n * row_bytes + (q4 ? 16 : 32) * (int64_t)g;
-    for (int r = 0; r < 16; r++) {
+    for (int r = r0; r < r1; r++) {
         __builtin_prefetch(nx + r * row_bytes, 0, 2);
         if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
     }
-    if (g) return;
+    if (g || r0) return;
     const int compact = st && (half & 2), tiles = compact || (st && (n & 15) == 0);   // compact: sc holds no planes
     const int64_t esz = (half & 1) ? 2 : 4, at = compact ? (n >> 4) * 20 * (int64_t)G : n * G * esz;
     const int64_t len = compact ? 20 * (int64_t)G : 16 * G * esz;
@@ -223,9 +226,10 @@ static inline int amx_on(void) {
 // and g+1 side by side, as the rows hold them), B = block-diagonal: its columns 0-7 are the activation rows'
 // codes of group g (code quads 0-7, zero for quads 8-15), columns 8-15 those of group g+1 (zero for quads
 // 0-7). C's row r then holds weight row r's sums of group g against the 8 activation rows, then of group g+1.
-// Half of B's bytes are zeros, but a 16 x 16 x 64 multiply costs the tile unit what the 16 x 8 x 32 one of a
-// single group did (the same 16 A rows go through), so each group costs half the tile time; the groups
-// stay apart, and the fp32 arithmetic (amx_epilogue) is the one every kernel here follows.
+// The columns interleave: column 2m is activation row m against group g, 2m + 1 against group g+1, so C's
+// row r holds the pair's sums side by side per activation row. Half of B's bytes are zeros, but a
+// 16 x 16 x 64 multiply costs the tile unit what the 16 x 8 x 32 one of a single group did (the same 16 A
+// rows go through), so each group costs half the tile time.
 static const SSTileCfg amx_cfg = {
     .palette = 1,
     .colsb = {[T_C0] = 64, [T_C1] = 64, [T_A0] = 64, [T_A1] = 64, [T_B0] = 64, [T_B1] = 64},
@@ -237,8 +241,8 @@ AI void amx_configure(void) { _tile_loadconfig(&amx_cfg); }
 // The activation side of one call: B tiles and per-group scales for up to 8 rows (rows past nb are zero).
 typedef struct {
     int32_t *b;   // [(G + 1) / 2][16 code quads][16 columns]: B of group pair p at b + 256 p (see amx_cfg)
-    float *d;     // [G][16]: the rows' scales d[m][g] (lanes 0-7; 8-15 a copy)
-    float *s;     // [G][16]: the rows' sums s[m][g] (d x sum of codes), likewise
+    float *d;     // [(G + 1) / 2][8 rows][2]: the rows' scales d[m][g] of pair p's groups, lane 2m + g % 2
+    float *s;     // likewise the rows' sums s[m][g] (d x sum of codes)
 } AmxAct;
 
 static __thread void *amx_buf;
@@ -246,43 +250,57 @@ static __thread int64_t amx_cap;
 
 static AmxAct amx_prep(const int8_t *xq, const float *xd, const float *xs, int K, int nb) {
     const int G = K / 32, P = (G + 1) / 2;
-    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)P * 1024 + (int64_t)G * 128);
+    char *buf = amx_scratch(&amx_buf, &amx_cap, (int64_t)P * (1024 + 128));
     AmxAct a = {(int32_t *)buf, (float *)(buf + (int64_t)P * 1024), NULL};
-    a.s = a.d + (int64_t)G * 16;
+    a.s = a.d + (int64_t)P * 16;
     const __mmask8 live = (__mmask8)((1u << nb) - 1);   // rows past nb read as zero
     const __m256i rows = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K / 4));
     const __m256i grow = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(G));
     const __m256i zero = _mm256_setzero_si256();
     for (int g = 0; g < 2 * P; g++) {
-        const int h = g & 1;   // group g's quads are B's rows 8h..8h+7, its columns 8h..8h+7; the others zero
+        const int h = g & 1;   // group g's quads are B's rows 8h..8h+7, its columns 2m + h; the others zero
         int32_t *b = a.b + 256 * (g >> 1) + 128 * h;
-        for (int j = 0; j < 8; j++) {   // code quad j of group g, across the rows
+        for (int j = 0; j < 8; j++) {   // code quad j of group g, across the rows, zero-extended to 64 bits
             const __m256i q = g < G ? _mm256_mmask_i32gather_epi32(zero, live, rows, xq + 32 * g + 4 * j, 4) : zero;
-            _mm256_store_si256((__m256i *)(b + 16 * j + 8 * h), q);
-            _mm256_store_si256((__m256i *)(b + 16 * j + 8 * (1 - h)), zero);
+            const __m512i wide = _mm512_cvtepu32_epi64(q);
+            _mm512_store_si512(b + 16 * j, h ? _mm512_slli_epi64(wide, 32) : wide);
         }
-        if (g >= G) continue;
-        const __m256 d = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xd + g, 4);
-        const __m256 sm = _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xs + g, 4);
-        _mm512_store_ps(a.d + 16 * g, _mm512_insertf32x8(_mm512_castps256_ps512(d), d, 1));
-        _mm512_store_ps(a.s + 16 * g, _mm512_insertf32x8(_mm512_castps256_ps512(sm), sm, 1));
+        const __m256 d = g < G ? _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xd + g, 4) : _mm256_setzero_ps();
+        const __m256 sm = g < G ? _mm256_mmask_i32gather_ps(_mm256_setzero_ps(), live, grow, xs + g, 4) : _mm256_setzero_ps();
+        float *dp = a.d + 16 * (g >> 1) + h, *sp = a.s + 16 * (g >> 1) + h;
+        _Alignas(32) float dv[8], sv[8];
+        _mm256_store_ps(dv, d), _mm256_store_ps(sv, sm);
+        for (int m = 0; m < 8; m++) dp[2 * m] = dv[m], sp[2 * m] = sv[m];
     }
     return a;
 }
 
-// acc[r] (weight row r x 8 activation rows) += the scaled sums of the ng (1 or 2) groups from g in c (the
-// pair's C: row r = [group g: 8 sums | group g+1: 8 sums]); sw, mw: [4][16] the block's scales and offsets of
-// four groups (tile_scales), group g's at index i. 256-bit lanes = activation rows, so a weight row's scale
-// is one broadcast load (the load ports have room; the vector ports are this kernel's bottleneck): no permutes.
-AI void amx_epilogue(__m256 acc[16], const int32_t *c, const AmxAct *a, int g, int ng, const float (*sw)[16],
+// acc[r] (weight row r: lane 2m + h is activation row m's sum of the pair's even (h = 0) or odd group) +=
+// the scaled sums of pair p in c (C: row r = [m: group g, group g+1] for m = 0..7); sw, mw: [4][16] the
+// block's scales and offsets of four groups (tile_scales), the pair's first at index i. A weight row's two
+// scales side by side are one 64-bit broadcast load, so every operation here is on all 16 lanes and none
+// is a per-row permute.
+static const int32_t amx_pair_lo[16] __attribute__((aligned(64))) = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+static const int32_t amx_pair_hi[16] __attribute__((aligned(64))) = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+AI __m512 amx_bcast_pair(const float *p) { return _mm512_castpd_ps(_mm512_set1_pd(*(const double *)p)); }
+AI void amx_epilogue(__m512 acc[16], const int32_t *c, const AmxAct *a, int p, const float (*sw)[16],
                      const float (*mw)[16], int i, int q4) {
-    for (int h = 0; h < ng; h++) {
-        const __m256 d = _mm256_load_ps(a->d + 16 * (g + h)), s = _mm256_load_ps(a->s + 16 * (g + h));
-        for (int r = 0; r < 16; r++) {
-            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(c + 16 * r + 8 * h))), d);
-            acc[r] = _mm256_fmadd_ps(v, _mm256_broadcast_ss(&sw[i + h][r]), acc[r]);
-            if (q4) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(&mw[i + h][r]), s, acc[r]);
-        }
+    _Alignas(64) float ws[32], ms[32];   // row r's scales (offsets) of the pair's two groups at 2r, 2r + 1
+    const __m512i lo = _mm512_load_si512(amx_pair_lo), hi = _mm512_load_si512(amx_pair_hi);
+    const __m512 w0 = _mm512_load_ps(sw[i]), w1 = _mm512_load_ps(sw[i + 1]);
+    _mm512_store_ps(ws, _mm512_permutex2var_ps(w0, lo, w1)), _mm512_store_ps(ws + 16, _mm512_permutex2var_ps(w0, hi, w1));
+    if (q4) {
+        const __m512 o0 = _mm512_load_ps(mw[i]), o1 = _mm512_load_ps(mw[i + 1]);
+        _mm512_store_ps(ms, _mm512_permutex2var_ps(o0, lo, o1)), _mm512_store_ps(ms + 16, _mm512_permutex2var_ps(o0, hi, o1));
+    }
+    // read back from memory: seeing the stores, GCC would otherwise take each broadcast from the register
+    // (a move, an unpack or extract, and a register broadcast: three shuffles on the one port that does them)
+    __asm__ volatile("" : : "r"(ws), "r"(ms) : "memory");
+    const __m512 d = _mm512_load_ps(a->d + 16 * p), s = _mm512_load_ps(a->s + 16 * p);
+    for (int r = 0; r < 16; r++) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * r)), d);
+        acc[r] = _mm512_fmadd_ps(v, amx_bcast_pair(ws + 2 * r), acc[r]);
+        if (q4) acc[r] = _mm512_fmadd_ps(amx_bcast_pair(ms + 2 * r), s, acc[r]);
     }
 }
 
@@ -321,26 +339,28 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
     _Alignas(64) uint8_t abuf[2][16 * 128];
     _Alignas(64) uint8_t odd[16 * 64];        // q8 with G odd: the last group's rows, zero-padded to a pair
     _Alignas(64) int32_t cbuf[2][16 * 16];    // sums stored one pair before they are read
-    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[16 * 8];   // scales of two blocks of 4 groups
-    const __m512i pick_m = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+    _Alignas(64) float sw[2][4][16], mw[2][4][16], out[16 * 16];   // scales of two blocks of 4 groups
+    const __m512i pick_m = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     if (!q4 && (G & 1)) memset(odd, 0, sizeof odd);
     amx_configure();
     for (int blk = 0; blk < blocks; blk++) {
         const int64_t n = n0 + 16 * (int64_t)blk;
         const uint8_t *w = (const uint8_t *)wq + n * row_bytes;
-        __m256 acc[16];
-        for (int r = 0; r < 16; r++) acc[r] = _mm256_setzero_ps();
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
 #define AMX_STORE_C(p) if ((p) & 1) _tile_stored(T_C1, cbuf[1], 64); else _tile_stored(T_C0, cbuf[0], 64);
-#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, 2 * (p), G - 2 * (p) < 2 ? 1 : 2, \
-                                  (const float (*)[16])sw[((p) >> 1) & 1], (const float (*)[16])mw[((p) >> 1) & 1], \
-                                  2 * ((p) & 1), q4)
+#define AMX_SCALE(p) amx_epilogue(acc, cbuf[(p) & 1], a, (p), (const float (*)[16])sw[((p) >> 1) & 1], \
+                                  (const float (*)[16])mw[((p) >> 1) & 1], 2 * ((p) & 1), q4)
         if (q4) amx_unpack(w, row_bytes, 0, G, abuf[0]);
         for (int p = 0; p < P; p++) {
             const int g = 2 * p, i = p & 1;   // groups g, g+1: the i-th pair of the block of four groups from g - 2i
+            // the block AMX_PF_BLOCKS ahead, half its rows per pair: a burst of 16 prefetches holds the L1's
+            // fill buffers at once and stalls what follows
+            if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
+                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g - 2 * i,
+                                   8 * i, 8 * i + 8);
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
-                if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
-                    amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g);
                 tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(p >> 1) & 1], mw[(p >> 1) & 1]);
                 if (q4 && g + 4 < G) amx_unpack(w, row_bytes, g + 4, G, abuf[((p >> 1) + 1) & 1]);
             }
@@ -371,11 +391,13 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
         AMX_SCALE(P - 1);
 #undef AMX_SCALE
 #undef AMX_STORE_C
-        for (int r = 0; r < 16; r++) _mm256_store_ps(out + 8 * r, acc[r]);
+        // the even groups' sum plus the odd groups' (lane 2m + 1 onto 2m), then lane 2m of each weight row
+        for (int r = 0; r < 16; r++)
+            _mm512_store_ps(out + 16 * r, _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], _MM_SHUFFLE(2, 3, 0, 1))));
         const __m512 b16 = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < nb; m++) {   // activation row m's 16 results: lane m of each weight row
+        for (int m = 0; m < nb; m++) {   // activation row m's 16 results
             float *yo = y + (int64_t)m * ystride + n;
-            __m512 v = _mm512_add_ps(_mm512_i32gather_ps(pick_m, out + m, 4), b16);
+            __m512 v = _mm512_add_ps(_mm512_i32gather_ps(pick_m, out + 2 * m, 4), b16);
             if (accumulate) v = _mm512_add_ps(_mm512_loadu_ps(yo), v);
             _mm512_storeu_ps(yo, v);
         }
@@ -475,12 +497,12 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
     for (int64_t n = n0; n < n1; n += 16) {
         const int live = n1 - n < 16 ? (int)(n1 - n) : 16;
         const __mmask16 keep = (__mmask16)((1u << live) - 1);
-        __m512 acc[MAX_ROWS];
-        for (int m = 0; m < nb; m++) acc[m] = _mm512_setzero_ps();
+        __m512 acc[2][MAX_ROWS];   // the even groups' sums, the odd groups'
+        for (int m = 0; m < nb; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
         for (int c = 0; c < C; c++) {
             const int g4 = 4 * c, ng = G - g4 < 4 ? G - g4 : 4;
             if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all)
-                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, g4);
+                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, g4, 0, 16);
             tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
             const __mmask64 k = q4 ? (ng == 4 ? ~0ULL : (1ULL << (16 * ng)) - 1) : ~0ULL;
             for (int q = 0; q < 4; q++) {   // rows 4q..4q+3
@@ -530,15 +552,16 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
                     __m512i s32 = sums[i];
                     if (!q4) s32 = _mm512_sub_epi32(s32, _mm512_set1_epi32(128 * t.isum[(int64_t)m * 4 * C + g]));
                     const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(xd[(int64_t)m * G_ + g]));
-                    acc[m] = _mm512_fmadd_ps(v, _mm512_load_ps(sw[i]), acc[m]);
-                    if (q4) acc[m] = _mm512_fmadd_ps(_mm512_load_ps(mw[i]), _mm512_set1_ps(xs[(int64_t)m * G_ + g]), acc[m]);
+                    __m512 *am = &acc[i & 1][m];   // g4 is a multiple of 4: g's parity is i's
+                    *am = _mm512_fmadd_ps(v, _mm512_load_ps(sw[i]), *am);
+                    if (q4) *am = _mm512_fmadd_ps(_mm512_load_ps(mw[i]), _mm512_set1_ps(xs[(int64_t)m * G_ + g]), *am);
                 }
             }
         }
         const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
         for (int m = 0; m < nb; m++) {
             float *yo = y + (int64_t)m * ystride + n;
-            __m512 v = _mm512_add_ps(acc[m], b16);
+            __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), b16);
             if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
             _mm512_mask_storeu_ps(yo, keep, v);
         }
