@@ -162,3 +162,33 @@ def test_amx_rows_are_the_same_alone_and_batched(fmt: int, k: int):
         assert torch.equal(y, together[:rows]), rows
     torch.testing.assert_close(together, ref.product_q8(_parts(w), x), rtol=1e-4,
                                atol=1e-4 * together.abs().max().item())
+
+
+@pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
+@pytest.mark.parametrize("k", [32, 160, 608])
+def test_amx_odd_group_counts_with_bias(fmt: int, k: int):
+    """The tiles multiply groups in pairs (kernels/cpu/amx.h): an odd group count leaves the last pair one
+    group and a zero one (K = 32: a single group). At 6 and 7 rows (the fewest q4 tiles take), fp32 and fp16
+    scales, with a bias and 40 weight rows (two tiles and 8 rows on the twin): bitwise the twin's, and a row's
+    result alone, and close to the reference."""
+    base = _random_packed(fmt, 40, k, seed=fmt + k)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(k))
+    for half in (False, True):
+        sc = base.scale.half() if half else base.scale
+        mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
+        w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
+        for rows in (6, 7):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)) * 2
+            x[0, -32:] = 0   # the last group all zero (d = 0)
+            try:
+                tiles = _matmul(w, x, exact=False)
+                _amx(False)
+                twin = _matmul(w, x, exact=False)
+            finally:
+                _amx(True)
+            assert torch.equal(tiles, twin), (half, rows)
+            assert torch.equal(_matmul(w, x[rows - 1:], exact=False)[0], tiles[-1]), (half, rows)
+            sc32, mn32 = w.scale.float(), None if w.min is None else w.min.float()
+            want = ref.product_q8((_parts(w)[0], sc32, mn32 if fmt != Q4_0 else -8 * sc32), x) + bias
+            torch.testing.assert_close(tiles, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
