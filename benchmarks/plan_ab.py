@@ -31,6 +31,8 @@ def _patches(spec: str) -> dict[str, Any]:
             out["attention_whole_rows"] = lambda rows, threads, whole=whole, on=on: on and whole(rows, threads)
         elif key == "split":
             out["ATTN_SPLIT_ROWS"] = int(value)
+        elif key == "norm":
+            out["NORM_ROWS"] = int(value)
         else:
             raise SystemExit(f"unknown plan setting {key!r} (tasks=N, whole=0|1, split=N)")
     return out

@@ -298,6 +298,22 @@ def test_attention_tasks_take_whole_rows_when_rows_fill_the_team():
         cpu_plan.validate(missing, shape, 8)
 
 
+@pytest.mark.parametrize("rows,threads,blocks", [(1, 2, [(0, 1)]), (8, 1, [(0, 8)]), (8, 2, [(0, 4), (4, 8)]),
+                                                  (5, 2, [(0, 3), (3, 5)]), (3, 8, [(0, 1), (1, 2), (2, 3)]),
+                                                  (20, 2, [(0, 8), (8, 16), (16, 20)])])
+def test_norm_tasks_share_the_rows_among_the_threads(rows, threads, blocks):
+    """Each RMSNorm (before attention, before the MLP, the final one) is split by rows: at most NORM_ROWS per
+    task, and no more than a thread's share, so no thread waits while another normalises every row."""
+    shape = cpu_plan.Shape(2, 64, 4, 2, 16, 128, 256)
+    table = cpu_plan.build(shape, rows=rows, threads=threads, argmax=True)
+    cpu_plan.validate(table, shape, rows)
+    norms = table[table[:, cpu_plan.OP] == cpu_plan.NORM]
+    for layer, aux in ((0, cpu_plan.NORM_ATTN), (1, cpu_plan.NORM_FFN), (-1, cpu_plan.NORM_FINAL)):
+        mine = norms[(norms[:, cpu_plan.LAYER] == layer) & (norms[:, cpu_plan.AUX] == aux)]
+        assert [tuple(r) for r in mine[:, [cpu_plan.T0, cpu_plan.T1]].tolist()] == blocks
+        assert len(set(mine[:, cpu_plan.SIG_EV].tolist())) == 1   # one event, signalled by them all
+
+
 @pytest.mark.parametrize("threads", [1, 2, 8])
 def test_plans_validate_for_many_shapes(threads):
     for rows in (1, 3, 8, 17):
