@@ -11,6 +11,8 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --prefill 64      # a 64-token prompt chunk on the native step instead
     python benchmarks/step_ab.py --batch 8 --setting amx --prefetch 0 1   # AMX tile products off / on
     python benchmarks/step_ab.py --batch 8 --setting twin --prefetch 0 1  # paired kernels / twin and tiles
+    python benchmarks/step_ab.py --batch 8 --kv-cache-dtype fp32          # the KV cache's element type (run
+                                                                          # alternately with fp16)
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def main() -> None:
                          "rows attention prefetches ahead (ss_set_attn_prefetch), whether batched products run on AMX "
                          "tiles (ss_set_amx: 0 or 1), or whether q4/q8 products run on the twin and tiles or on the "
                          "paired kernels (ss_set_twin: 0 or 1)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
+                    help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()
 
     from slipstream import LLM
@@ -44,7 +48,8 @@ def main() -> None:
     from slipstream.step import decode_step, prefill_step
 
     lib = load_library()
-    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + 8 + args.prefill) * args.batch + 64)
+    llm = LLM(args.model, runtime="native", kv_cache_tokens=(args.context + 8 + args.prefill) * args.batch + 64,
+              kv_cache_dtype=args.kv_cache_dtype)
     model, kv = llm.model, llm.engine.kv
     dec = CpuTeamDecoder(model, kv, exact=False)
     seqs = [SequenceKV(kv) for _ in range(args.batch)]

@@ -1,0 +1,50 @@
+// The decode step's attention pattern outside the step: ss_attend_heads (kernels/cpu/ops.h) for 8 rows x 30
+// layers x 3 KV heads of SmolLM2's shape (9 query heads, head size 64, fp16 cache), each row over its own n
+// contiguous slots, one layer after another as the step does (the cache, 8 x 30 x n x 768 bytes, is read
+// once per pass: from L3 or memory), and again with every layer's pass over layer 0's rows (warm, in L2).
+// Prints the best of 20 passes per mode as nanoseconds per (row, layer, KV head, token) and the cache's
+// bytes per second. One thread; the step runs two of these beside the weights' stream.
+//
+//   gcc -O3 -march=native -ffp-contract=off -Islipstream/kernels/cpu -o /tmp/attention_cold benchmarks/attention_cold.c -lm
+//   /tmp/attention_cold 100
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "ops.h"
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+
+int main(int argc, char **argv) {
+    const int n = argc > 1 ? atoi(argv[1]) : 100, LAYERS = 30, ROWS = 8, KVH = 3, D = 64, GROUP = 3;
+    const size_t per_layer = (size_t)ROWS * n * KVH * D;   // fp16 elements of K (and of V) per layer
+    uint16_t *k = malloc(2 * per_layer * LAYERS), *v = malloc(2 * per_layer * LAYERS);
+    for (size_t i = 0; i < per_layer * LAYERS; i++) {
+        k[i] = ss_f32_to_half((float)rand() / RAND_MAX - 0.5f);
+        v[i] = ss_f32_to_half((float)rand() / RAND_MAX - 0.5f);
+    }
+    int64_t *slots = malloc(sizeof(int64_t) * ROWS * n);
+    for (int i = 0; i < ROWS * n; i++) slots[i] = i;
+    float q[9 * 64], out[9 * 64], *p = malloc(sizeof(float) * GROUP * n);
+    for (int i = 0; i < 9 * 64; i++) q[i] = 4.0f * rand() / RAND_MAX - 2.0f;
+    for (int warm = 0; warm < 2; warm++) {
+        double best = 1e30;
+        for (int r = 0; r < 20; r++) {
+            const double t = now();
+            for (int L = 0; L < LAYERS; L++)
+                for (int b = 0; b < ROWS; b++) {
+                    const size_t off = warm ? 0 : (size_t)L * per_layer;
+                    for (int kvh = 0; kvh < KVH; kvh++)
+                        ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off, v + off, 1, KVH, kvh, D, slots + b * n,
+                                        n, 0.125f, 0.f, p, out + kvh * GROUP * D, NULL);
+                }
+            if (now() - t < best) best = now() - t;
+        }
+        printf("n=%d %s: %.0f us per step's attention, %.1f ns per (row, layer, KV head, token), %.1f GB/s of cache\n",
+               n, warm ? "warm (layer 0's rows, in L2)" : "cold (every layer's rows)", best * 1e6,
+               best * 1e9 / ((double)LAYERS * ROWS * KVH * n), 4.0 * per_layer * LAYERS / best / 1e9);
+    }
+    free(k), free(v), free(slots), free(p);
+    return 0;
+}
