@@ -39,7 +39,8 @@ int main(int argc, char **argv) {
                         ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off, v + off, 1, KVH, kvh, D, slots + b * n,
                                         n, 0.125f, 0.f, p, out + kvh * GROUP * D, NULL);
                 }
-            if (now() - t < best) best = now() - t;
+            const double dt = now() - t;
+            if (dt < best) best = dt;
         }
         printf("n=%d %s: %.0f us per step's attention, %.1f ns per (row, layer, KV head, token), %.1f GB/s of cache\n",
                n, warm ? "warm (layer 0's rows, in L2)" : "cold (every layer's rows)", best * 1e6,

@@ -8,6 +8,7 @@ slow drifts of a shared host fall on every variant alike. Prints each variant's 
     python benchmarks/plan_ab.py --batch 8 --variants tasks=4 tasks=1          # tasks per thread and operator
     python benchmarks/plan_ab.py --batch 8 --variants whole=0 whole=1          # attention tasks per KV head / per row
     python benchmarks/plan_ab.py --batch 8 --variants split=8 split=4          # rows up to which attention gets parts
+    python benchmarks/plan_ab.py --batch 8 --variants norm=8 norm=4            # rows per RMSNorm task (at most)
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _patches(spec: str) -> dict[str, Any]:
         elif key == "norm":
             out["NORM_ROWS"] = int(value)
         else:
-            raise SystemExit(f"unknown plan setting {key!r} (tasks=N, whole=0|1, split=N)")
+            raise SystemExit(f"unknown plan setting {key!r} (tasks=N, whole=0|1, split=N, norm=N)")
     return out
 
 
@@ -46,7 +47,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--variants", nargs="+", default=["tasks=4", "tasks=1"],
                     help="comma-separated settings per variant: tasks=N (tasks per thread and product "
-                         "operator), whole=0|1 (attention tasks take whole rows where the plan would)")
+                         "operator), whole=0|1 (attention tasks take whole rows where the plan would), split=N "
+                         "(ATTN_SPLIT_ROWS), norm=N (NORM_ROWS: rows per RMSNorm task at most)")
     args = ap.parse_args()
 
     from slipstream import LLM
