@@ -112,7 +112,7 @@ def _amx(on: bool) -> bool:
     return bool(lib.ss_set_amx(int(on)))
 
 
-TWIN = lib is not None and bool(lib.ss_tile_planes())   # an AVX-512 VNNI build: the twin (and tiles where AMX is)
+TWIN = lib is not None and lib.ss_tile_planes() == 1   # an AVX-512 VNNI build: the twin (and tiles where AMX is)
 
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
@@ -192,3 +192,40 @@ def test_amx_odd_group_counts_with_bias(fmt: int, k: int):
             sc32, mn32 = w.scale.float(), None if w.min is None else w.min.float()
             want = ref.product_q8((_parts(w)[0], sc32, mn32 if fmt != Q4_0 else -8 * sc32), x) + bias
             torch.testing.assert_close(tiles, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+ROWS8 = lib is not None and lib.ss_tile_planes() == 2   # an AVX2 build: q4 products 8 weight rows at a time
+
+
+@pytest.mark.skipif(not ROWS8, reason="not an AVX2 build (the 8-row q4 kernel, simd.h q4i_rows8)")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32])
+@pytest.mark.parametrize("k", [32, 160, 576])
+def test_q4_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
+    """The AVX2 fast q4 product takes 8 weight rows at a time for every activation row count (one arithmetic):
+    a row's result is bitwise the same alone, beside 7 others and in a prompt-sized batch (11 rows: chunks
+    of 8 against blocks of weight rows that start off a multiple of 8, whose scales are gathered rather than
+    read from the tile-ordered copy), with fp32 and fp16 scales, a bias and 45 weight rows (a last block of
+    5); and it is close to the reference product."""
+    base = _random_packed(fmt, 45, k, seed=fmt + 3 * k)
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(k))
+    for half in (False, True):
+        sc = base.scale.half() if half else base.scale
+        mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
+        w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
+        x = torch.randn(11, k, generator=torch.Generator().manual_seed(k + 1)) * 2
+        x[1, -32:] = 0   # a last group all zero (d = 0)
+        together = _matmul(w, x[:8], exact=False)
+        for i in range(8):
+            assert torch.equal(_matmul(w, x[i:i + 1], exact=False)[0], together[i]), (half, i)
+        assert torch.equal(_matmul(w, x[:3], exact=False), together[:3]), half
+        assert torch.equal(_matmul(w, x, exact=False)[:8], together), half
+        m = w.ss_mat()   # without the tile-ordered copy (scales gathered from the [N][G] planes): the same bits
+        assert m.scale_t
+        m.scale_t = m.min_t = None
+        y = torch.empty(8, w.n)
+        lib.ss_matmul(ctypes.byref(m), 8, x[:8].contiguous().data_ptr(), y.data_ptr(), 0)
+        assert torch.equal(y, together), half
+        sc32 = w.scale.float()
+        mn32 = -8 * sc32 if w.min is None else w.min.float()
+        want = ref.product_q8((_parts(w)[0], sc32, mn32), x[:8]) + bias
+        torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

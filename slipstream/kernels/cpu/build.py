@@ -203,6 +203,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_amx_active": [],
         "ss_tile_planes": [],
         "ss_set_twin": [i32],
+        "ss_set_rows8": [i32],
         "ss_set_wait_prefetch": [i32],
         "ss_set_attn_prefetch": [i32],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
@@ -220,6 +221,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_amx_active.restype = i32
     lib.ss_tile_planes.restype = i32
     lib.ss_set_twin.restype = i32
+    lib.ss_set_rows8.restype = i32
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p
     return lib

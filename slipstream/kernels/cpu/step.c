@@ -172,6 +172,97 @@ enum { q4_half_direct = 1 };   // fp16 q4 scales go to q4p_row as they are
 #else
 enum { q4_half_direct = 0 };
 #endif
+#if defined(SS_AVX2)
+// The 8 weight rows from n's scales and offsets gathered from the [N][G] planes as fp32 [G][8] (q4i_rows8),
+// rows past `live` repeating the last live row's: for blocks that do not start on a multiple of 8, where the
+// loader made no tile-ordered copy, and for Q4_K's 6-bit scales (widened a row at a time into rs and rm,
+// [G] each). The same values as the copy's and as the planes'.
+static void q4i_gather(const SSMat *m, int n, int live, int G, int half, float *sc8, float *mn8, float *rs, float *rm) {
+    const int k6 = m->qtype == Q4_K6;
+    for (int r = 0; r < 8; r++) {
+        const int64_t row = n + (r < live ? r : live - 1);
+        if (k6) {
+            ss_k6_row((const uint8_t *)m->scale + row * G, (const uint8_t *)m->min + row * G, m->kdm + row * (G / 4), G, rs, rm);
+            for (int g = 0; g < G; g++) sc8[8 * g + r] = rs[g], mn8[8 * g + r] = rm[g];
+            continue;
+        }
+        for (int g = 0; g < G; g++) {
+            const int64_t e = row * G + g;
+            const float s = half ? ss_half_to_f32(((const uint16_t *)m->scale)[e]) : m->scale[e];
+            sc8[8 * g + r] = s;
+            mn8[8 * g + r] = !m->min ? -8.f * s : half ? ss_half_to_f32(((const uint16_t *)m->min)[e]) : m->min[e];
+        }
+    }
+}
+
+#if defined(__F16C__)
+#define F16C_BUILD 1
+#else
+#define F16C_BUILD 0
+#endif
+static int rows8_usable = SS_Q4_ROWS8;   // ss_set_rows8: 0 puts the AVX2 q4 products back on q4p_row (A/B)
+
+// Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
+// q4i_rows8), against up to MAX_ROWS activation rows
+__attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
+                                              int ystride, int accumulate, int half, int pf_rows) {
+    const int K = m->k, G = K / 32;
+    const int64_t row_bytes = K / 2;
+    float *sc8 = alloca(sizeof(float) * 8 * G), *mn8 = alloca(sizeof(float) * 8 * G);
+    float *rs = alloca(sizeof(float) * G), *rm = alloca(sizeof(float) * G);
+    const int k6 = m->qtype == Q4_K6;
+    for (int n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? n1 - n : 8;
+        if (pf_rows && k6 && n + pf_rows < m->n) {   // the 6-bit scales: a row's G bytes (and G mins) and its d, dmin
+            const int64_t r = n + pf_rows;
+            for (int64_t o = 0; o < 8 * (int64_t)G; o += 64) {
+                __builtin_prefetch((const uint8_t *)m->scale + r * G + o, 0, 2);
+                __builtin_prefetch((const uint8_t *)m->min + r * G + o, 0, 2);
+            }
+            for (int64_t o = 0; o < 8 * (int64_t)(G / 4) * 2; o += 64) __builtin_prefetch((const char *)(m->kdm + r * (G / 4)) + o, 0, 2);
+        }
+        if (pf_rows && m->scale_t && !k6) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
+            const int64_t nx = n + pf_rows;
+            if (nx < m->n && (nx >> 4) != ((nx - 8) >> 4)) {
+                const int64_t len = 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
+                for (int64_t o = 0; o < len; o += 64) {
+                    __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
+                    if (m->min_t) __builtin_prefetch((const char *)m->min_t + at + o, 0, 2);
+                }
+            }
+        }
+        const uint8_t *w[8];
+        for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
+        // the scales: the tile-ordered copy read in place (fp16 or fp32, 16 rows per group), or gathered
+        const void *sc = sc8, *mn = mn8;
+        int64_t ss = 8;
+        int sh = 0;
+        if (m->scale_t && !k6 && (n & 7) == 0 && (half ? F16C_BUILD : 1)) {
+            const int64_t at = (int64_t)(n >> 4) * G * 16 + (n & 8);
+            const int64_t esz = half ? 2 : 4;
+            sc = (const char *)m->scale_t + at * esz, mn = m->min_t ? (const char *)m->min_t + at * esz : NULL;
+            ss = 16, sh = half;
+        } else {
+            q4i_gather(m, n, live, G, half, sc8, mn8, rs, rm);
+        }
+        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
+        __m256 out[MAX_ROWS];
+#define Q4I(NB) q4i_rows8(w, sc, mn, sh, ss, G, x->q, x->d, x->s, NB, pf, out)
+        SS_BY_ROWS(nb, Q4I)
+#undef Q4I
+        for (int b = 0; b < nb; b++) {
+            _Alignas(32) float v[8];
+            _mm256_store_ps(v, out[b]);
+            float *yo = y + (int64_t)b * ystride + n;
+            for (int r = 0; r < live; r++) {
+                const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
+                yo[r] = accumulate ? yo[r] + t : t;
+            }
+        }
+    }
+}
+#endif
+
 // Rows [n0, n1) of a q4 or q8 matrix against up to MAX_ROWS activation rows: one loop nest per (kind,
 // path, row count), in a function of its own. Inlined into mat_rows' one row loop with every other
 // kernel, GCC kept the kernels' constants live across all of them and spilled them (perf annotate of
@@ -237,6 +328,10 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
                                 q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
                                         half, G, x->p, xd, x->e, xs, NB, out);)
 #define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
+    if (!exact && rows8_usable && m->kind == KIND_Q4 && x->q) {
+        q4i_rows(m, n0, n1, nb, x, y, ystride, accumulate, half, pf_rows);
+        return;
+    }
     if (!exact && SS_Q4_PAIRS && x->p && (!half || q4_half_direct)) {
         if (m->kind == KIND_Q4) { SS_BY_ROWS(nb, Q4P) } else { SS_BY_ROWS(nb, Q8P) }
         return;
@@ -323,11 +418,27 @@ int ss_set_twin(int on) {
 #endif
 }
 
-// 1 where the fast path's q4/q8 products read the scales tile-ordered (amx.h's twin, and the tiles): the
-// loader then keeps that copy of the planes (weights/quant.py)
+// Whether the AVX2 fast path's q4 products take 8 weight rows at a time (q4i_rows, the default) or one
+// (q4p_row, paired activations: another fp32 order), for A/B measurements; returns the resulting state (0
+// on builds without the 8-row kernel)
+int ss_set_rows8(int on) {
+#if defined(SS_AVX2)
+    rows8_usable = on != 0 && SS_Q4_ROWS8;
+    return rows8_usable;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+// Which tile-ordered copies of the scales the loader keeps (weights/quant.py): 1 where the fast path's q4/q8
+// products read them all (amx.h's twin, and the tiles: Q4_K's compact copy too), 2 where only the plain q4
+// planes are read (the AVX2 products 8 rows at a time, q4i_rows), 0 none
 int ss_tile_planes(void) {
 #ifdef SS_TWIN
     return 1;
+#elif defined(SS_AVX2)
+    return SS_Q4_ROWS8 ? 2 : 0;   // q4 planes only (q4i_rows): not Q4_K's compact copy, not q8's
 #else
     return 0;
 #endif
