@@ -471,10 +471,13 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
 // row m), in group order:
 //     acc = fma(float(sum) * d[m][g], sc[n][g], acc);  acc = fma(mn[n][g], s[m][g], acc)
 // w[r]: weight row r's codes (rows past a range's end may repeat its last row: lanes never mix);
-// sc8, mn8: the rows' scales and offsets, group g's 8 at sc8 + g * ss (elements), fp16 (half, needs F16C)
-// or fp32; mn8 NULL: Q4_0's -8 x the scales. xq [nb][K], xd and xs [nb][G]: the activation rows' codes,
-// scales and per-group sums. out[m]: lane r = row r against row m. pf: 128 G bytes to prefetch into L2 (a
-// later block of 8 rows' codes), two lines per group, spread so as not to fill the L1's miss buffers at once.
+// sc8, mn8: the rows' scales and offsets, group g's 8 at sc8 + g * ss (elements), fp16 (half = 1, needs
+// F16C) or fp32 (half = 0); mn8 NULL: Q4_0's -8 x the scales. half = 2: a Q4_K matrix's compact tile copy
+// (weights/quant.py _tile_k; its 16-row block's bytes at sc8 and mn8, these 8 rows `ss` lanes into it):
+// d x the 6-bit scale and -(dmin x the 6-bit min), exact in fp32, the planes' very values.
+// xq [nb][K], xd and xs [nb][G]: the activation rows' codes, scales and per-group sums. out[m]: lane r =
+// row r against row m. pf: 128 G bytes to prefetch into L2 (a later block of 8 rows' codes), two lines per
+// group, spread so as not to fill the L1's miss buffers at once.
 // int16 partial sums are exact: 16 products of |u4 x s8| <= 15 x 127 per lane (30480).
 AI __m256 q4i_scales8(const void *p, int half, int64_t at) {
 #if defined(__F16C__)
@@ -482,6 +485,13 @@ AI __m256 q4i_scales8(const void *p, int half, int64_t at) {
 #endif
     return _mm256_loadu_ps((const float *)p + at);
 }
+#if defined(__F16C__)
+AI __m256 q4i_k6_lanes(const uint8_t *blk, int G, int g, int64_t h) {   // d x scale of group g, rows h..h+7
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * (int64_t)G + 32 * (g >> 3) + 2 * h)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(blk + 16 * (int64_t)g + h));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), d);
+}
+#endif
 AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
                   const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, __m256 out[MAX_ROWS]) {
     const int K = 32 * G;
@@ -506,8 +516,17 @@ AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, i
         for (int j = 0; j < 4; j++)
             q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), m4);
         if (pf) __builtin_prefetch(pf + 128 * (int64_t)g, 0, 2), __builtin_prefetch(pf + 128 * (int64_t)g + 64, 0, 2);
-        const __m256 s8 = q4i_scales8(sc8, half, g * ss);
-        const __m256 o8 = mn8 ? q4i_scales8(mn8, half, g * ss) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
+        __m256 s8, o8;
+#if defined(__F16C__)
+        if (half == 2) {   // Q4_K's compact copy; the offsets negated by their sign bit, as -(dmin x min) is
+            s8 = q4i_k6_lanes((const uint8_t *)sc8, G, g, ss);
+            o8 = _mm256_xor_ps(q4i_k6_lanes((const uint8_t *)mn8, G, g, ss), _mm256_set1_ps(-0.f));
+        } else
+#endif
+        {
+            s8 = q4i_scales8(sc8, half, g * ss);
+            o8 = mn8 ? q4i_scales8(mn8, half, g * ss) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
+        }
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
             __m256i x[8];

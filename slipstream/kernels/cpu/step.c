@@ -211,9 +211,10 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
     float *sc8 = alloca(sizeof(float) * 8 * G), *mn8 = alloca(sizeof(float) * 8 * G);
     float *rs = alloca(sizeof(float) * G), *rm = alloca(sizeof(float) * G);
     const int k6 = m->qtype == Q4_K6;
+    const int compact = k6 && m->tile_k && m->scale_t && F16C_BUILD;   // Q4_K's compact tile copy
     for (int n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
-        if (pf_rows && k6 && n + pf_rows < m->n) {   // the 6-bit scales: a row's G bytes (and G mins) and its d, dmin
+        if (pf_rows && k6 && !compact && n + pf_rows < m->n) {   // the 6-bit scales: a row's G bytes (and G mins) and its d, dmin
             const int64_t r = n + pf_rows;
             for (int64_t o = 0; o < 8 * (int64_t)G; o += 64) {
                 __builtin_prefetch((const uint8_t *)m->scale + r * G + o, 0, 2);
@@ -221,10 +222,10 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
             }
             for (int64_t o = 0; o < 8 * (int64_t)(G / 4) * 2; o += 64) __builtin_prefetch((const char *)(m->kdm + r * (G / 4)) + o, 0, 2);
         }
-        if (pf_rows && m->scale_t && !k6) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
+        if (pf_rows && m->scale_t) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
             const int64_t nx = n + pf_rows;
             if (nx < m->n && (nx >> 4) != ((nx - 8) >> 4)) {
-                const int64_t len = 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
+                const int64_t len = compact ? 20 * (int64_t)G : 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
                 for (int64_t o = 0; o < len; o += 64) {
                     __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
                     if (m->min_t) __builtin_prefetch((const char *)m->min_t + at + o, 0, 2);
@@ -237,7 +238,11 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
         const void *sc = sc8, *mn = mn8;
         int64_t ss = 8;
         int sh = 0;
-        if (m->scale_t && !k6 && (n & 7) == 0 && (half ? F16C_BUILD : 1)) {
+        if (compact && (n & 7) == 0) {
+            const int64_t at = (int64_t)(n >> 4) * 20 * G;
+            sc = (const char *)m->scale_t + at, mn = (const char *)m->min_t + at;
+            ss = n & 8, sh = 2;
+        } else if (m->scale_t && !k6 && (n & 7) == 0 && (half ? F16C_BUILD : 1)) {
             const int64_t at = (int64_t)(n >> 4) * G * 16 + (n & 8);
             const int64_t esz = half ? 2 : 4;
             sc = (const char *)m->scale_t + at * esz, mn = m->min_t ? (const char *)m->min_t + at * esz : NULL;
@@ -432,13 +437,13 @@ int ss_set_rows8(int on) {
 }
 
 // Which tile-ordered copies of the scales the loader keeps (weights/quant.py): 1 where the fast path's q4/q8
-// products read them all (amx.h's twin, and the tiles: Q4_K's compact copy too), 2 where only the plain q4
-// planes are read (the AVX2 products 8 rows at a time, q4i_rows), 0 none
+// products read them all (amx.h's twin, and the tiles: Q4_K's compact copy too), 2 where only the q4 ones are
+// read (the plain planes' and Q4_K's compact copy: the AVX2 products 8 rows at a time, q4i_rows), 0 none
 int ss_tile_planes(void) {
 #ifdef SS_TWIN
     return 1;
 #elif defined(SS_AVX2)
-    return SS_Q4_ROWS8 ? 2 : 0;   // q4 planes only (q4i_rows): not Q4_K's compact copy, not q8's
+    return SS_Q4_ROWS8 ? 2 : 0;   // q4 only (q4i_rows): not q8's
 #else
     return 0;
 #endif
