@@ -11,8 +11,8 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --prefill 64      # a 64-token prompt chunk on the native step instead
     python benchmarks/step_ab.py --batch 8 --setting amx --prefetch 0 1   # AMX tile products off / on
     python benchmarks/step_ab.py --batch 8 --setting twin --prefetch 0 1  # paired kernels / twin and tiles
-    SLIPSTREAM_MARCH=x86-64-v3 python benchmarks/step_ab.py --batch 8 --setting rows8 --prefetch 0 1
-                                                     # AVX2 q4 products one weight row / 8 at a time
+    SLIPSTREAM_MARCH=x86-64-v3 python benchmarks/step_ab.py --batch 8 --setting rows8 --prefetch 0 1 3
+                                       # AVX2 products one weight row at a time / q4 8 at a time / q4 and q8
     python benchmarks/step_ab.py --batch 8 --kv-cache-dtype fp32          # the KV cache's element type (run
                                                                           # alternately with fp16)
 """
@@ -38,8 +38,8 @@ def main() -> None:
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
                          "rows attention prefetches ahead (ss_set_attn_prefetch), whether batched products run on AMX "
                          "tiles (ss_set_amx: 0 or 1), or whether q4/q8 products run on the twin and tiles or on the "
-                         "paired kernels (ss_set_twin: 0 or 1), or whether the AVX2 q4 products take 8 weight rows at a "
-                         "time or one (ss_set_rows8: 0 or 1)")
+                         "paired kernels (ss_set_twin: 0 or 1), or whether the AVX2 q4 and q8 products take 8 weight rows "
+                         "at a time or one (ss_set_rows8: bit 0 q4, bit 1 q8)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()

@@ -487,11 +487,11 @@ class Linear:
             m = SSMat(self.data.data_ptr(), self.scale.data_ptr(), ptr(self.min), bias_ptr, kind, self.n, self.k,
                       half)
         planes_mode = tile_planes()
-        if planes_mode == 1 or (planes_mode == 2 and kind == KIND_Q4):
+        if planes_mode:
             # the AVX-512 VNNI / AMX kernels (kernels/cpu/amx.h) take a group's scales for 16 rows at a time, the
-            # AVX2 q4 kernel for 8 (mode 2: q4 matrices only): a copy of the planes in that order (1/4 of the
-            # codes' bytes for Q4_1) saves a gather per group; a Q4_K matrix's copy is its compact form
-            # (`_tile_k`), which the kernels widen to the planes' values
+            # AVX2 ones for 8 (half a block): a copy of the planes in that order (1/4 of the codes' bytes for
+            # Q4_1) saves a gather per group; a Q4_K matrix's copy is its compact form (`_tile_k`), which the
+            # kernels widen to the planes' values
             if getattr(self, "_planes_by_tile", None) is None:
                 if self.kq is not None:
                     self._planes_by_tile = _tile_k(*self.kq)
@@ -663,8 +663,8 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def tile_planes() -> int:
-    """Which q4/q8 scales the native kernels read tile-ordered (asked once): 1 all of them (AVX-512 VNNI and AMX
-    builds), 2 the q4 matrices' only, Q4_K's compact copy included (AVX2 builds), 0 none."""
+    """Whether the native kernels read q4/q8 scales tile-ordered (asked once): 1 on AVX-512 VNNI and AMX builds
+    (the twin and tiles), 2 on AVX2 builds (the products 8 weight rows at a time), 0 none."""
     from slipstream.kernels.cpu import load_library
     lib = load_library()
     return int(lib.ss_tile_planes()) if lib is not None else 0

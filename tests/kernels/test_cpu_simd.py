@@ -197,15 +197,16 @@ def test_amx_odd_group_counts_with_bias(fmt: int, k: int):
 ROWS8 = lib is not None and lib.ss_tile_planes() == 2   # an AVX2 build: q4 products 8 weight rows at a time
 
 
-@pytest.mark.skipif(not ROWS8, reason="not an AVX2 build (the 8-row q4 kernel, simd.h q4i_rows8)")
-@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32])
+@pytest.mark.skipif(not ROWS8, reason="not an AVX2 build (the 8-row kernels, simd.h q4i_rows8 and q8i_rows8)")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
 @pytest.mark.parametrize("k", [32, 160, 576])
-def test_q4_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
-    """The AVX2 fast q4 product takes 8 weight rows at a time for every activation row count (one arithmetic):
-    a row's result is bitwise the same alone, beside 7 others and in a prompt-sized batch (11 rows: chunks
-    of 8 against blocks of weight rows that start off a multiple of 8, whose scales are gathered rather than
-    read from the tile-ordered copy), with fp32 and fp16 scales, a bias and 45 weight rows (a last block of
-    5); and it is close to the reference product."""
+def test_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
+    """The AVX2 fast q4 and q8 products take 8 weight rows at a time for every activation row count (one
+    arithmetic; q8 reaches its exact group sums another way at one row): a row's result is bitwise the same
+    alone, beside 7 others and in a prompt-sized batch (11 rows: chunks of 8 against blocks of weight rows
+    that start off a multiple of 8, whose scales are gathered rather than read from the tile-ordered copy),
+    with fp32 and fp16 scales, a bias and 45 weight rows (a last block of 5); and it is close to the
+    reference product."""
     base = _random_packed(fmt, 45, k, seed=fmt + 3 * k)
     bias = torch.randn(45, generator=torch.Generator().manual_seed(k))
     for half in (False, True):
@@ -226,6 +227,6 @@ def test_q4_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
         lib.ss_matmul(ctypes.byref(m), 8, x[:8].contiguous().data_ptr(), y.data_ptr(), 0)
         assert torch.equal(y, together), half
         sc32 = w.scale.float()
-        mn32 = -8 * sc32 if w.min is None else w.min.float()
+        mn32 = None if fmt == Q8_0 else -8 * sc32 if w.min is None else w.min.float()
         want = ref.product_q8((_parts(w)[0], sc32, mn32), x[:8]) + bias
         torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

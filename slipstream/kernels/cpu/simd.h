@@ -554,6 +554,78 @@ AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, i
     }
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
+
+// The AVX2 q8 product over 8 weight rows at once, as q4i_rows8: per (weight row n, activation row m), in group
+// order, acc = fma(float(sum) * d[m][g], sc[n][g], acc), sum the group's exact int32 sum. Two ways to the sums,
+// the same integers, so a row's result never depends on the row count:
+//   * two or more activation rows: the 8 rows' 32 code bytes transposed in registers (an 8 x 8 transpose of
+//     dwords, 24 shuffles shared by the activation rows) so that lane r holds 4 codes of row r; per activation
+//     row, its 4 matching codes broadcast, the sign trick (|w| u8 x sign(x, w) s8: maddubs takes one unsigned
+//     operand) and a madd per dword (two full-range products already fill int16);
+//   * one activation row: each weight row's dot product as 8 int32 partials, the 8 rows' partials then
+//     reduced and transposed by horizontal adds (no transpose to share at one row).
+// w, sc8, ss, half, pf: as q4i_rows8 (half 0 or 1; pf: 256 G bytes, four lines per group).
+AI void q8i_rows8(const int8_t *const w[8], const void *sc8, int half, int64_t ss, int G, const int8_t *xq,
+                  const float *xd, int nb, const char *pf, __m256 out[MAX_ROWS]) {
+    const int K = 32 * G;
+#ifndef SS_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        const int64_t o = 32 * (int64_t)g;
+        if (pf)
+            for (int l = 0; l < 4; l++) __builtin_prefetch(pf + 256 * (int64_t)g + 64 * l, 0, 2);
+        __m256i r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(w[i] + o));
+        const __m256 s8 = q4i_scales8(sc8, half, g * ss);
+        if (nb == 1) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + o));
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) {
+#ifdef SS_VNNI
+                p[i] = SS_DPBUSD(_mm256_setzero_si256(), _mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i]));
+#else
+                p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i])), ones);
+#endif
+            }
+            const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+            const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+            const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + g));
+            acc[0] = _mm256_fmadd_ps(t, s8, acc[0]);
+            continue;
+        }
+        __m256i t[8], u[8], c[8], a[8];   // c[j]: code dword j of every row; a[j]: |c[j]|
+        for (int i = 0; i < 4; i++)
+            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        for (int h = 0; h < 2; h++) {   // rows 4h..4h+3
+            u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]), u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+            u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]), u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+        }
+        for (int j = 0; j < 4; j++)
+            c[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20), c[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(c[j]);
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+            const int8_t *x = xq + (int64_t)b * K + o;
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j++) {
+                int32_t v;
+                memcpy(&v, x + 4 * j, 4);
+                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), c[j]);
+#ifdef SS_VNNI
+                sum = SS_DPBUSD(sum, a[j], xs);
+#else
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], xs), ones));
+#endif
+            }
+            const __m256 tt = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+            acc[b] = _mm256_fmadd_ps(tt, s8, acc[b]);
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
 #endif
 
 AI void q4q8_row(const uint8_t *w, const float *sc, const float *mn, int G, const int8_t *xq,

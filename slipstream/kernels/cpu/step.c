@@ -200,7 +200,8 @@ static void q4i_gather(const SSMat *m, int n, int live, int G, int half, float *
 #else
 #define F16C_BUILD 0
 #endif
-static int rows8_usable = SS_Q4_ROWS8;   // ss_set_rows8: 0 puts the AVX2 q4 products back on q4p_row (A/B)
+// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones; a kind without its bit goes back to q4p_row / q8p_row (A/B)
+static int rows8_usable = SS_Q4_ROWS8 ? 3 : 0;
 
 // Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
 // q4i_rows8), against up to MAX_ROWS activation rows
@@ -255,6 +256,53 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
 #define Q4I(NB) q4i_rows8(w, sc, mn, sh, ss, G, x->q, x->d, x->s, NB, pf, out)
         SS_BY_ROWS(nb, Q4I)
 #undef Q4I
+        for (int b = 0; b < nb; b++) {
+            _Alignas(32) float v[8];
+            _mm256_store_ps(v, out[b]);
+            float *yo = y + (int64_t)b * ystride + n;
+            for (int r = 0; r < live; r++) {
+                const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
+                yo[r] = accumulate ? yo[r] + t : t;
+            }
+        }
+    }
+}
+
+// Rows [n0, n1) of a q8 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
+// q8i_rows8), against up to MAX_ROWS activation rows; scales as q4i_rows
+__attribute__((noinline)) static void q8i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
+                                              int ystride, int accumulate, int half, int pf_rows) {
+    const int K = m->k, G = K / 32;
+    float *sc8 = alloca(sizeof(float) * 8 * G);
+    for (int n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? n1 - n : 8;
+        if (pf_rows && m->scale_t) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
+            const int64_t nx = n + pf_rows;
+            if (nx < m->n && (nx >> 4) != ((nx - 8) >> 4)) {
+                const int64_t len = 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
+                for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
+            }
+        }
+        const int8_t *w[8];
+        for (int r = 0; r < 8; r++) w[r] = (const int8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * K;
+        const void *sc = sc8;
+        int64_t ss = 8;
+        int sh = 0;
+        if (m->scale_t && (n & 7) == 0 && (half ? F16C_BUILD : 1)) {
+            sc = (const char *)m->scale_t + ((int64_t)(n >> 4) * G * 16 + (n & 8)) * (half ? 2 : 4);
+            ss = 16, sh = half;
+        } else {
+            for (int r = 0; r < 8; r++) {
+                const int64_t row = n + (r < live ? r : live - 1);
+                for (int g = 0; g < G; g++)
+                    sc8[8 * g + r] = half ? ss_half_to_f32(((const uint16_t *)m->scale)[row * G + g]) : m->scale[row * G + g];
+            }
+        }
+        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * K : NULL;
+        __m256 out[MAX_ROWS];
+#define Q8I(NB) q8i_rows8(w, sc, sh, ss, G, x->q, x->d, NB, pf, out)
+        SS_BY_ROWS(nb, Q8I)
+#undef Q8I
         for (int b = 0; b < nb; b++) {
             _Alignas(32) float v[8];
             _mm256_store_ps(v, out[b]);
@@ -333,8 +381,12 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
                                 q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
                                         half, G, x->p, xd, x->e, xs, NB, out);)
 #define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
-    if (!exact && rows8_usable && m->kind == KIND_Q4 && x->q) {
+    if (!exact && (rows8_usable & 1) && m->kind == KIND_Q4 && x->q) {
         q4i_rows(m, n0, n1, nb, x, y, ystride, accumulate, half, pf_rows);
+        return;
+    }
+    if (!exact && (rows8_usable & 2) && m->kind == KIND_Q8 && x->q) {
+        q8i_rows(m, n0, n1, nb, x, y, ystride, accumulate, half, pf_rows);
         return;
     }
     if (!exact && SS_Q4_PAIRS && x->p && (!half || q4_half_direct)) {
@@ -423,12 +475,12 @@ int ss_set_twin(int on) {
 #endif
 }
 
-// Whether the AVX2 fast path's q4 products take 8 weight rows at a time (q4i_rows, the default) or one
-// (q4p_row, paired activations: another fp32 order), for A/B measurements; returns the resulting state (0
-// on builds without the 8-row kernel)
+// Whether the AVX2 fast path's q4 (bit 0 of `on`) and q8 (bit 1) products take 8 weight rows at a time
+// (q4i_rows, q8i_rows: the default, 3) or one (q4p_row, q8p_row on paired activations: another fp32 order),
+// for A/B measurements; returns the resulting state (0 on builds without the 8-row kernels)
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
-    rows8_usable = on != 0 && SS_Q4_ROWS8;
+    rows8_usable = SS_Q4_ROWS8 ? on & 3 : 0;
     return rows8_usable;
 #else
     (void)on;
@@ -437,13 +489,13 @@ int ss_set_rows8(int on) {
 }
 
 // Which tile-ordered copies of the scales the loader keeps (weights/quant.py): 1 where the fast path's q4/q8
-// products read them all (amx.h's twin, and the tiles: Q4_K's compact copy too), 2 where only the q4 ones are
-// read (the plain planes' and Q4_K's compact copy: the AVX2 products 8 rows at a time, q4i_rows), 0 none
+// products read them (amx.h's twin, and the tiles; Q4_K's compact copy too), 2 likewise for the AVX2 products 8
+// rows at a time (q4i_rows, q8i_rows: tests tell the kernels apart by it), 0 none
 int ss_tile_planes(void) {
 #ifdef SS_TWIN
     return 1;
 #elif defined(SS_AVX2)
-    return SS_Q4_ROWS8 ? 2 : 0;   // q4 only (q4i_rows): not q8's
+    return SS_Q4_ROWS8 ? 2 : 0;   // the AVX2 8-row products (q4i_rows, q8i_rows)
 #else
     return 0;
 #endif
