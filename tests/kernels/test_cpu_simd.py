@@ -164,6 +164,32 @@ def test_amx_rows_are_the_same_alone_and_batched(fmt: int, k: int):
                                atol=1e-4 * together.abs().max().item())
 
 
+@pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
+@pytest.mark.parametrize("k", [32, 160, 576])
+def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
+    """On AVX-512 VNNI builds the rows the tiles do not take go to the 8-row kernels (simd.h q4i_rows8,
+    q8i_rows8) in the tiles' arithmetic (even and odd groups in two sums): bitwise what the twin kernels give
+    (ss_set_rows8(0)), for 1 to 8 rows, fp32 and fp16 scales, a bias, 45 weight rows (a block of 16 off its
+    end) and blocks that start off a multiple of 8 (11 rows: chunks of 8 against blocks of weight rows)."""
+    base = _random_packed(fmt, 45, k, seed=fmt + 5 * k)
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(k + 2)) * 2
+    for half in (False, True):
+        sc = base.scale.half() if half else base.scale
+        mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
+        w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
+        try:
+            for rows in (1, 2, 5, 8, 11):
+                assert lib.ss_set_rows8(3) == 3
+                rows8 = _matmul(w, x[:rows], exact=False)
+                lib.ss_set_rows8(0)
+                twin = _matmul(w, x[:rows], exact=False)
+                assert torch.equal(rows8, twin), (half, rows)
+        finally:
+            lib.ss_set_rows8(3)
+
+
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
 @pytest.mark.parametrize("k", [32, 160, 608])

@@ -492,16 +492,15 @@ AI __m256 q4i_k6_lanes(const uint8_t *blk, int G, int g, int64_t h) {   // d x s
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), d);
 }
 #endif
-AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
-                  const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, __m256 out[MAX_ROWS]) {
+// one group g of q4i_rows8 into acc[0..nb)
+AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
+                  const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, int g, __m256 *acc) {
     const int K = 32 * G;
     const __m256i m4 = _mm256_set1_epi8(15);
 #ifndef SS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[MAX_ROWS];
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    {
         const int64_t o = 16 * (int64_t)g;
         const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + o), (const __m128i *)(w[0] + o));
         const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + o), (const __m128i *)(w[1] + o));
@@ -552,6 +551,25 @@ AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, i
             acc[b] = _mm256_fmadd_ps(o8, _mm256_broadcast_ss(xs + (int64_t)b * G + g), acc[b]);
         }
     }
+}
+// eo: the groups alternate between two sums per output (even, odd), added at the end: the arithmetic of the
+// AVX-512 VNNI builds' tiles and twin (amx.h), which these kernels then follow bitwise; 0: one sum (AVX2 builds)
+AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
+                  const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, const int eo,
+                  __m256 out[MAX_ROWS]) {
+    __m256 acc[MAX_ROWS], odd[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), odd[b] = _mm256_setzero_ps();
+    int g = 0;
+    if (eo) {
+        for (; g + 2 <= G; g += 2) {
+            q4i_group(w, sc8, mn8, half, ss, G, xq, xd, xs, nb, pf, g, acc);
+            q4i_group(w, sc8, mn8, half, ss, G, xq, xd, xs, nb, pf, g + 1, odd);
+        }
+        if (g < G) q4i_group(w, sc8, mn8, half, ss, G, xq, xd, xs, nb, pf, g, acc);
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = _mm256_add_ps(acc[b], odd[b]);
+        return;
+    }
+    for (; g < G; g++) q4i_group(w, sc8, mn8, half, ss, G, xq, xd, xs, nb, pf, g, acc);
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 
@@ -565,15 +583,14 @@ AI void q4i_rows8(const uint8_t *const w[8], const void *sc8, const void *mn8, i
 //   * one activation row: each weight row's dot product as 8 int32 partials, the 8 rows' partials then
 //     reduced and transposed by horizontal adds (no transpose to share at one row).
 // w, sc8, ss, half, pf: as q4i_rows8 (half 0 or 1; pf: 256 G bytes, four lines per group).
-AI void q8i_rows8(const int8_t *const w[8], const void *sc8, int half, int64_t ss, int G, const int8_t *xq,
-                  const float *xd, int nb, const char *pf, __m256 out[MAX_ROWS]) {
+// one group g of q8i_rows8 into acc[0..nb)
+AI void q8i_group(const int8_t *const w[8], const void *sc8, int half, int64_t ss, int G, const int8_t *xq,
+                  const float *xd, int nb, const char *pf, int g, __m256 *acc) {
     const int K = 32 * G;
 #ifndef SS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    __m256 acc[MAX_ROWS];
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
-    for (int g = 0; g < G; g++) {
+    {
         const int64_t o = 32 * (int64_t)g;
         if (pf)
             for (int l = 0; l < 4; l++) __builtin_prefetch(pf + 256 * (int64_t)g + 64 * l, 0, 2);
@@ -595,7 +612,7 @@ AI void q8i_rows8(const int8_t *const w[8], const void *sc8, int half, int64_t s
             const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
             const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + g));
             acc[0] = _mm256_fmadd_ps(t, s8, acc[0]);
-            continue;
+            return;
         }
         __m256i t[8], u[8], c[8], a[8];   // c[j]: code dword j of every row; a[j]: |c[j]|
         for (int i = 0; i < 4; i++)
@@ -624,6 +641,23 @@ AI void q8i_rows8(const int8_t *const w[8], const void *sc8, int half, int64_t s
             acc[b] = _mm256_fmadd_ps(tt, s8, acc[b]);
         }
     }
+}
+// eo: as q4i_rows8
+AI void q8i_rows8(const int8_t *const w[8], const void *sc8, int half, int64_t ss, int G, const int8_t *xq,
+                  const float *xd, int nb, const char *pf, const int eo, __m256 out[MAX_ROWS]) {
+    __m256 acc[MAX_ROWS], odd[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps(), odd[b] = _mm256_setzero_ps();
+    int g = 0;
+    if (eo) {
+        for (; g + 2 <= G; g += 2) {
+            q8i_group(w, sc8, half, ss, G, xq, xd, nb, pf, g, acc);
+            q8i_group(w, sc8, half, ss, G, xq, xd, nb, pf, g + 1, odd);
+        }
+        if (g < G) q8i_group(w, sc8, half, ss, G, xq, xd, nb, pf, g, acc);
+        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = _mm256_add_ps(acc[b], odd[b]);
+        return;
+    }
+    for (; g < G; g++) q8i_group(w, sc8, half, ss, G, xq, xd, nb, pf, g, acc);
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 #endif
