@@ -16,6 +16,8 @@
 //   * The vector twin (twin_rows_*), for every other row (one row, fewer rows than the tiles take, rows past
 //     a range's last block of 16; every row on VNNI CPUs without AMX): 512-bit vpdpbusd over four groups of
 //     a row, the partial sums reduced and transposed so that lanes are weight rows, the same fp32 sequence.
+//     By default those rows now go to simd.h's 8-row kernels (q4i_rows8, q8i_rows8 with eo = 1: the same
+//     arithmetic, bitwise, and faster at one row); the twin stays for ss_set_rows8(0).
 // So a row's result never depends on what shares its step (speculative verification, prompt chunks beside
 // decode rows), as with the paired kernels on other CPUs. The exact path never comes here. The weights keep
 // the layout every kernel reads (simd.h: q4 rows of K/2 bytes, group g at bytes 16g..16g+15, byte j =
