@@ -153,6 +153,81 @@ static int check_argmax(void) {
     return ok;
 }
 
+// simd.h's 8-weight-rows products (x86 AVX2 builds) against a plain loop over their defined arithmetic, bit
+// for bit: per (weight row, activation row) each group's exact integer sum, then in group order
+// acc = fma(float(sum) * d, sc, acc) and acc = fma(mn, s, acc) (q4), with eo two sums (even and odd groups)
+// added at the end; fp32 and fp16 scales (the latter tile-ordered, 16 rows per group), every row count 1-8,
+// odd group counts, and Q4_0's missing min plane (-8 x the scales)
+static int check_rows8(void) {
+#if defined(SS_AVX2)
+    enum { GMAX = 19, KMAX = 32 * GMAX };
+    static uint8_t w4[8][KMAX / 2];
+    static int8_t w8[8][KMAX], xq[MAX_ROWS * KMAX];
+    static float sc[8][GMAX], mn[8][GMAX], xd[MAX_ROWS * GMAX], xs[MAX_ROWS * GMAX], x[KMAX];
+    static float sct[GMAX * 8], mnt[GMAX * 8], scn[GMAX * 8];   // [G][8]: fp32 lanes = rows
+    static uint16_t sch[GMAX * 16], mnh[GMAX * 16];              // [G][16]: fp16, rows 0-7 of a block of 16
+    int ok = 1;
+    for (int gi = 0; gi < 3; gi++) {
+        const int G = gi == 0 ? 1 : gi == 1 ? 6 : GMAX, K = 32 * G;
+        for (int r = 0; r < 8; r++) {
+            for (int i = 0; i < K / 2; i++) w4[r][i] = (uint8_t)irand(0, 255);
+            for (int i = 0; i < K; i++) w8[r][i] = (int8_t)irand(-127, 127);
+            for (int g = 0; g < G; g++) {
+                const uint16_t hs = (uint16_t)(0x2000 + irand(0, 0x0FFF) + (irand(0, 1) << 15)), hm = (uint16_t)(0x2400 + irand(0, 0x0FFF));
+                sch[16 * g + r] = hs, mnh[16 * g + r] = hm;
+                sc[r][g] = ss_half_to_f32(hs), mn[r][g] = ss_half_to_f32(hm);
+                sct[8 * g + r] = sc[r][g], mnt[8 * g + r] = mn[r][g], scn[8 * g + r] = -8.f * sc[r][g];
+            }
+        }
+        for (int m = 0; m < MAX_ROWS; m++) {
+            for (int i = 0; i < K; i++) x[i] = frand() * (m == 3 ? 0.f : 2.f);   // row 3 all zero (d = 0)
+            ss_quantize_row(x, K, xq + m * K, xd + m * G, xs + m * G);
+        }
+        const uint8_t *p4[8];
+        const int8_t *p8[8];
+        for (int r = 0; r < 8; r++) p4[r] = w4[r], p8[r] = w8[r];
+        for (int nb = 1; nb <= MAX_ROWS; nb++)
+            for (int eo = 0; eo < 2; eo++)
+                for (int variant = 0; variant < 4; variant++) {   // q4 fp32, q4 fp16 tiles, q4 without mins, q8
+                    __m256 out[MAX_ROWS];
+#define R8_Q4(NB) q4i_rows8(p4, variant == 1 ? (const void *)sch : sct, variant == 1 ? (const void *)mnh : variant == 2 ? NULL : mnt, \
+                            variant == 1, variant == 1 ? 16 : 8, G, xq, xd, xs, NB, NULL, eo, out)
+#define R8_Q8(NB) q8i_rows8(p8, sct, 0, 8, G, xq, xd, NB, NULL, eo, out)
+                    if (variant < 3) { SS_BY_ROWS(nb, R8_Q4) } else { SS_BY_ROWS(nb, R8_Q8) }
+#undef R8_Q8
+#undef R8_Q4
+                    for (int m = 0; m < nb; m++) {
+                        float got[8];
+                        _mm256_storeu_ps(got, out[m]);
+                        for (int r = 0; r < 8; r++) {
+                            float acc[2] = {0.f, 0.f};
+                            for (int g = 0; g < G; g++) {
+                                int sum = 0;
+                                for (int j = 0; j < 32; j++) {
+                                    const int code = variant == 3 ? w8[r][32 * g + j]
+                                                   : j < 16 ? (w4[r][16 * g + j] & 15) : (w4[r][16 * g + j - 16] >> 4);
+                                    sum += code * xq[m * K + 32 * g + j];
+                                }
+                                float *a = &acc[eo ? g & 1 : 0];
+                                *a = fmaf((float)sum * xd[m * G + g], sc[r][g], *a);
+                                if (variant < 3) *a = fmaf(variant == 2 ? scn[8 * g + r] : mn[r][g], xs[m * G + g], *a);
+                            }
+                            const float want = eo ? acc[0] + acc[1] : acc[0];
+                            if (got[r] != want) {
+                                printf("rows8 variant %d eo %d G %d nb %d row %d act %d: %.9g want %.9g\n", variant, eo, G, nb, r, m,
+                                       got[r], want);
+                                ok = 0;
+                            }
+                        }
+                    }
+                }
+    }
+    return ok;
+#else
+    return 1;
+#endif
+}
+
 // the fast q4 product at widths that exercise every step of the AVX2 kernel (8-group chunks, a pair
 // after them, an odd last group), at 1-8 rows, with fp32 scales and (AVX2 + F16C) fp16 ones
 static int check_q4_widths(void) {
@@ -321,6 +396,7 @@ int main(void) {
     ss_axpy(o, 0.5f, x[2], K);
     for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
     ok &= check_qtypes();
+    ok &= check_rows8();
     ok &= check_q4_widths();
     ok &= check_exp();
     ok &= check_argmax();

@@ -77,7 +77,8 @@ def test_arm_kernels_under_qemu(tmp_path: Path, march: str, isa: str):
 @pytest.mark.skipif(not X86 or not _runs("x86-64-v3"), reason="needs an x86-64 CPU with AVX2")
 def test_x86_row_kernels_against_plain_loops(tmp_path: Path):
     """simd_check.c on this CPU at the AVX2 level: the x86 row kernels (the paired q4/q8 products
-    included) against plain loops, as the Arm build is checked under qemu."""
+    included) against plain loops, as the Arm build is checked under qemu; the 8-weight-rows q4/q8 products
+    bit for bit against a loop over their defined arithmetic."""
     cc = shutil.which("gcc") or shutil.which("cc")
     exe = tmp_path / "simd_check"
     build = subprocess.run([cc, "-O2", "-march=x86-64-v3", "-ffp-contract=off", "-o", str(exe),
