@@ -572,8 +572,9 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         // With the twin and tiles (amx.h), every chunk against the whole range instead: a tile product
         // unpacks its weights itself, and a chunk's B operand (amx_prep) is built once, not once per weight
         // block (a 512-token prompt chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
-        const int wb = twin ? n1 - n0
-                     : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
+        int wb = twin ? n1 - n0
+               : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
+        if (!twin && wb > 8) wb &= ~7;   // the 8-row kernels' blocks then start on multiples of 8 (tile-ordered scales)
         for (int r0 = n0; r0 < n1; r0 += wb)
             for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
                 const SSAct xb = act_rows(x, b0, K);
