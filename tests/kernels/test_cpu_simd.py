@@ -3,6 +3,9 @@ instruction set this library was built for (test_isa_builds.py reruns this file 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -256,3 +259,33 @@ def test_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
         mn32 = None if fmt == Q8_0 else -8 * sc32 if w.min is None else w.min.float()
         want = ref.product_q8((_parts(w)[0], sc32, mn32), x[:8]) + bias
         torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not (ROWS8 or TWIN), reason="no 8-row kernels in this build (x86 with AVX2 only)")
+def test_rows8_env_switch_puts_the_one_row_kernels_back(tmp_path):
+    """SLIPSTREAM_ROWS8=0 at load gives what ss_set_rows8(0) gives in process (the one-row kernels: another
+    fp32 order on AVX2 builds, the twin on AVX-512 VNNI ones), a product the user can compare against."""
+    w = _random_packed(Q4_1, 40, 160, seed=9)
+    x = torch.randn(3, 160, generator=torch.Generator().manual_seed(9))
+    torch.save({"data": w.data, "scale": w.scale, "min": w.min, "x": x}, tmp_path / "case.pt")
+    script = (
+        "import ctypes, sys, torch\n"
+        "from slipstream.kernels.cpu import load_library\n"
+        "from slipstream.weights.quant import Q4_1, Linear\n"
+        f"c = torch.load({str(tmp_path / 'case.pt')!r})\n"
+        "w = Linear(40, 160, c['data'], Q4_1, c['scale'], c['min'])\n"
+        "y = torch.empty(3, 40); m = w.ss_mat()\n"
+        "load_library().ss_matmul(ctypes.byref(m), 3, c['x'].contiguous().data_ptr(), y.data_ptr(), 0)\n"
+        f"torch.save(y, {str(tmp_path / 'y.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "SLIPSTREAM_ROWS8": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from_env = torch.load(tmp_path / "y.pt")
+    try:
+        lib.ss_set_rows8(0)
+        one_row = _matmul(w, x, exact=False)
+    finally:
+        lib.ss_set_rows8(3)
+    assert torch.equal(from_env, one_row)
+    if ROWS8:   # on AVX2 builds the default is another arithmetic: the switch did something
+        assert not torch.equal(from_env, _matmul(w, x, exact=False))

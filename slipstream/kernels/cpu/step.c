@@ -202,6 +202,10 @@ static void q4i_gather(const SSMat *m, int n, int live, int G, int half, float *
 #endif
 // ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones; a kind without its bit goes back to q4p_row / q8p_row (A/B)
 static int rows8_usable = SS_Q4_ROWS8 ? 3 : 0;
+__attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
+    const char *env = getenv("SLIPSTREAM_ROWS8");
+    if (env && env[0] == '0') rows8_usable = 0;
+}
 
 // Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
 // q4i_rows8), against up to MAX_ROWS activation rows
