@@ -123,7 +123,7 @@ TWIN = lib is not None and lib.ss_tile_planes() == 1   # an AVX-512 VNNI build: 
 @pytest.mark.parametrize("rows,k", [(2, 352), (4, 64), (8, 352), (8, 1536), (13, 96)])
 def test_amx_tiles_agree_with_the_vector_kernels(fmt: int, rows: int, k: int):
     """The batched fast products on AMX tiles (kernels/cpu/amx.h) against their vector twin (bitwise: the
-    same int32 group sums, the same fp32 sequence), the paired kernels they replace (fp32 rounding apart)
+    same int32 group sums, the same fp32 sequence), the AVX2 builds' kernels (twin off; fp32 rounding apart)
     and the reference. 88 weight rows are five tiles of 16 and 8 rows left to the twin; K of 64, 96, 352 and
     1536 give fewer groups than the tiles keep in flight, partial blocks of four groups and long rows."""
     w = _random_packed(fmt, 88, k, seed=fmt + rows + k)

@@ -383,8 +383,9 @@ def _amx(on: bool) -> bool:
 @pytest.mark.parametrize("model_name", ["smollm2", "qwen2"])
 def test_amx_tiles_in_the_step_agree_with_the_vector_kernels(model_name, request):
     """Eight decode rows on the fast path: on AMX tiles (where the CPU has them) with 2 and 1 threads, on
-    the tiles' vector twin alone, and on the paired kernels. Tiles and twin give bitwise the same logits
-    (amx.h). The paired kernels sum in another fp32 order; a rounding difference that moves an activation
+    the tiles' vector twin alone, and on the AVX2 builds' kernels ("paired": the twin off, since 2026-11-29
+    the 8-row kernels with one sum). Tiles and twin give bitwise the same logits (amx.h). The AVX2 kernels
+    sum in another fp32 order; a rounding difference that moves an activation
     code by one step travels through the layers, so they are compared as the fast path is with eager (within
     3% of the norm; on smollm2 the paired kernels measure 0.8-1.5%, the tiles 1.0-1.9%), and the greedy
     tokens agree. The Qwen2-shaped model adds q/k/v biases, q8 O rows and q4 matrices with fp32 scales."""

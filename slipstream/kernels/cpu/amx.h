@@ -33,7 +33,7 @@
 #if defined(SS_AVX512) && defined(__AVX512VNNI__)
 #define SS_TWIN 1
 
-static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the paired kernels instead
+static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX2 builds' kernels instead
 __attribute__((constructor)) static void twin_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN");
     if (env && env[0] == '0') twin_usable = 0;

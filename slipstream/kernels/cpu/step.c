@@ -467,8 +467,9 @@ static SSAct act_rows(const SSAct *a, int64_t r, int K) {
 }
 
 // Whether the fast path's q4/q8 products run on the twin (and tiles) where this build has them: 1 by default;
-// ss_set_twin(0) (or SLIPSTREAM_TWIN=0 at load) puts them back on the paired kernels, tiles included, for
-// A/B measurements. Returns the resulting state (0 on builds without the twin).
+// ss_set_twin(0) (or SLIPSTREAM_TWIN=0 at load) puts them, tiles included, on the AVX2 builds' kernels and
+// arithmetic instead (the 8-row kernels with one sum, or with ss_set_rows8(0) the paired ones), for A/B
+// measurements. Returns the resulting state (0 on builds without the twin).
 int ss_set_twin(int on) {
 #ifdef SS_TWIN
     twin_usable = on != 0;
@@ -578,13 +579,18 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         // block (a 512-token prompt chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
         int wb = twin ? n1 - n0
                : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
-        if (!twin && wb > 8) wb &= ~7;   // the 8-row kernels' blocks then start on multiples of 8 (tile-ordered scales)
-        for (int r0 = n0; r0 < n1; r0 += wb)
+        if (!twin && wb > 8) wb &= ~7;
+        for (int r0 = n0, r1; r0 < n1; r0 = r1) {
+            // blocks end on multiples of 8 rows (wherever n0 starts), so the 8-row kernels' blocks after the
+            // first read their scales from the tile-ordered copy
+            r1 = !twin && wb >= 8 && (r0 + wb) / 8 * 8 > r0 ? (r0 + wb) / 8 * 8 : r0 + wb;
+            if (r1 > n1) r1 = n1;
             for (int b0 = 0; b0 < B; b0 += MAX_ROWS) {
                 const SSAct xb = act_rows(x, b0, K);
-                mat_rows(m, r0, r0 + wb < n1 ? r0 + wb : n1, B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS, &xb,
-                         y + (int64_t)b0 * ystride, ystride, accumulate, exact);
+                mat_rows(m, r0, r1, B - b0 < MAX_ROWS ? B - b0 : MAX_ROWS, &xb, y + (int64_t)b0 * ystride, ystride,
+                         accumulate, exact);
             }
+        }
         return;
     }
     const int pf_rows = pf_bytes > 0 ? (int)((pf_bytes + code_bytes + 2 * scale_bytes - 1) / (code_bytes + 2 * scale_bytes)) : 0;
@@ -661,7 +667,8 @@ static void prepare(const SSAct *a, int row, int K, int c0, int c1, int exact) {
         ss_quantize_row(f, c1 - c0, a->q + (int64_t)row * K + c0, a->d + (int64_t)row * G + c0 / 32,
                         a->s + (int64_t)row * G + c0 / 32);
 #if defined(SS_AVX2)
-        if (a->p) ss_pair_groups(a->q + (int64_t)row * K, a->d + (int64_t)row * G, K, c0 / 32, c1 / 32, a->p + (int64_t)row * K,
+        if (a->p && (rows8_usable & 3) != 3)   // the paired codes: read only by the one-row kernels
+            ss_pair_groups(a->q + (int64_t)row * K, a->d + (int64_t)row * G, K, c0 / 32, c1 / 32, a->p + (int64_t)row * K,
                                  a->e + (int64_t)row * 4 * G);
 #endif
     }
