@@ -49,8 +49,8 @@
 // store per update (seen with perf annotate: the hottest instruction of the batch-8 step).
 #define SS_UNROLL_ROWS _Pragma("GCC unroll 8")
 #define MAX_ROWS 8   // activation rows that share one pass over a weight row
-#ifndef SS_Q4_ROWS8
-#define SS_Q4_ROWS8 1   // the step's AVX2 q4 products 8 weight rows at a time (q4i_rows8); 0: as below
+#ifndef SS_ROWS8
+#define SS_ROWS8 1   // the step's AVX2 q4/q8 products 8 weight rows at a time (q4i_rows8, q8i_rows8); 0: as below
 #endif
 #ifndef SS_Q4_PAIRS
 #define SS_Q4_PAIRS 1   // the step's AVX2 q4 products through q4p_row (paired activations); 0: q4q8_row
@@ -500,56 +500,54 @@ AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, i
 #ifndef SS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    {
-        const int64_t o = 16 * (int64_t)g;
-        const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + o), (const __m128i *)(w[0] + o));
-        const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + o), (const __m128i *)(w[1] + o));
-        const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + o), (const __m128i *)(w[2] + o));
-        const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + o), (const __m128i *)(w[3] + o));
-        const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
-        const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
-        __m256i c[4];   // c[j]: 4 code bytes j of every row (lanes 0-3 rows 0-3, lanes 4-7 rows 4-7)
-        c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);
-        c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);
-        __m256i q[8];   // q[j]: elements 4j..4j+3 of every row
-        for (int j = 0; j < 4; j++)
-            q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), m4);
-        if (pf) __builtin_prefetch(pf + 128 * (int64_t)g, 0, 2), __builtin_prefetch(pf + 128 * (int64_t)g + 64, 0, 2);
-        __m256 s8, o8;
+    const int64_t o = 16 * (int64_t)g;
+    const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + o), (const __m128i *)(w[0] + o));
+    const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + o), (const __m128i *)(w[1] + o));
+    const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + o), (const __m128i *)(w[2] + o));
+    const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + o), (const __m128i *)(w[3] + o));
+    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
+    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
+    __m256i c[4];   // c[j]: 4 code bytes j of every row (lanes 0-3 rows 0-3, lanes 4-7 rows 4-7)
+    c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);
+    c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);
+    __m256i q[8];   // q[j]: elements 4j..4j+3 of every row
+    for (int j = 0; j < 4; j++)
+        q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), m4);
+    if (pf) __builtin_prefetch(pf + 128 * (int64_t)g, 0, 2), __builtin_prefetch(pf + 128 * (int64_t)g + 64, 0, 2);
+    __m256 s8, o8;
 #if defined(__F16C__)
-        if (half == 2) {   // Q4_K's compact copy; the offsets negated by their sign bit, as -(dmin x min) is
-            s8 = q4i_k6_lanes((const uint8_t *)sc8, G, g, ss);
-            o8 = _mm256_xor_ps(q4i_k6_lanes((const uint8_t *)mn8, G, g, ss), _mm256_set1_ps(-0.f));
-        } else
+    if (half == 2) {   // Q4_K's compact copy; the offsets negated by their sign bit, as -(dmin x min) is
+        s8 = q4i_k6_lanes((const uint8_t *)sc8, G, g, ss);
+        o8 = _mm256_xor_ps(q4i_k6_lanes((const uint8_t *)mn8, G, g, ss), _mm256_set1_ps(-0.f));
+    } else
 #endif
-        {
-            s8 = q4i_scales8(sc8, half, g * ss);
-            o8 = mn8 ? q4i_scales8(mn8, half, g * ss) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
+    {
+        s8 = q4i_scales8(sc8, half, g * ss);
+        o8 = mn8 ? q4i_scales8(mn8, half, g * ss) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+        const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
+        __m256i x[8];
+        for (int j = 0; j < 8; j++) {
+            int32_t v;
+            memcpy(&v, a + 4 * j, 4);
+            x[j] = _mm256_set1_epi32(v);
         }
-        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-            const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
-            __m256i x[8];
-            for (int j = 0; j < 8; j++) {
-                int32_t v;
-                memcpy(&v, a + 4 * j, 4);
-                x[j] = _mm256_set1_epi32(v);
-            }
 #ifdef SS_VNNI
-            const __m256i z = _mm256_setzero_si256();
-            const __m256i e = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[0], x[0]), q[1], x[1]), q[2], x[2]), q[3], x[3]);
-            const __m256i f = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[4], x[4]), q[5], x[5]), q[6], x[6]), q[7], x[7]);
-            const __m256i sum = _mm256_add_epi32(e, f);
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i e = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[0], x[0]), q[1], x[1]), q[2], x[2]), q[3], x[3]);
+        const __m256i f = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[4], x[4]), q[5], x[5]), q[6], x[6]), q[7], x[7]);
+        const __m256i sum = _mm256_add_epi32(e, f);
 #else
-            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x[0]), _mm256_maddubs_epi16(q[1], x[1]));
-            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], x[2]), _mm256_maddubs_epi16(q[3], x[3]));
-            const __m256i p45 = _mm256_add_epi16(_mm256_maddubs_epi16(q[4], x[4]), _mm256_maddubs_epi16(q[5], x[5]));
-            const __m256i p67 = _mm256_add_epi16(_mm256_maddubs_epi16(q[6], x[6]), _mm256_maddubs_epi16(q[7], x[7]));
-            const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p01, p23), _mm256_add_epi16(p45, p67)), ones);
+        const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x[0]), _mm256_maddubs_epi16(q[1], x[1]));
+        const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], x[2]), _mm256_maddubs_epi16(q[3], x[3]));
+        const __m256i p45 = _mm256_add_epi16(_mm256_maddubs_epi16(q[4], x[4]), _mm256_maddubs_epi16(q[5], x[5]));
+        const __m256i p67 = _mm256_add_epi16(_mm256_maddubs_epi16(q[6], x[6]), _mm256_maddubs_epi16(q[7], x[7]));
+        const __m256i sum = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p01, p23), _mm256_add_epi16(p45, p67)), ones);
 #endif
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
-            acc[b] = _mm256_fmadd_ps(t, s8, acc[b]);
-            acc[b] = _mm256_fmadd_ps(o8, _mm256_broadcast_ss(xs + (int64_t)b * G + g), acc[b]);
-        }
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+        acc[b] = _mm256_fmadd_ps(t, s8, acc[b]);
+        acc[b] = _mm256_fmadd_ps(o8, _mm256_broadcast_ss(xs + (int64_t)b * G + g), acc[b]);
     }
 }
 // eo: the groups alternate between two sums per output (even, odd), added at the end: the arithmetic of the
@@ -590,56 +588,54 @@ AI void q8i_group(const int8_t *const w[8], const void *sc8, int half, int64_t s
 #ifndef SS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    {
-        const int64_t o = 32 * (int64_t)g;
-        if (pf)
-            for (int l = 0; l < 4; l++) __builtin_prefetch(pf + 256 * (int64_t)g + 64 * l, 0, 2);
-        __m256i r[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(w[i] + o));
-        const __m256 s8 = q4i_scales8(sc8, half, g * ss);
-        if (nb == 1) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + o));
-            __m256i p[8];
-            for (int i = 0; i < 8; i++) {
+    const int64_t o = 32 * (int64_t)g;
+    if (pf)
+        for (int l = 0; l < 4; l++) __builtin_prefetch(pf + 256 * (int64_t)g + 64 * l, 0, 2);
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(w[i] + o));
+    const __m256 s8 = q4i_scales8(sc8, half, g * ss);
+    if (nb == 1) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(xq + o));
+        __m256i p[8];
+        for (int i = 0; i < 8; i++) {
 #ifdef SS_VNNI
-                p[i] = SS_DPBUSD(_mm256_setzero_si256(), _mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i]));
+            p[i] = SS_DPBUSD(_mm256_setzero_si256(), _mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i]));
 #else
-                p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i])), ones);
+            p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(r[i]), _mm256_sign_epi8(a, r[i])), ones);
 #endif
-            }
-            const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-            const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
-            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + g));
-            acc[0] = _mm256_fmadd_ps(t, s8, acc[0]);
-            return;
         }
-        __m256i t[8], u[8], c[8], a[8];   // c[j]: code dword j of every row; a[j]: |c[j]|
-        for (int i = 0; i < 4; i++)
-            t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        for (int h = 0; h < 2; h++) {   // rows 4h..4h+3
-            u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]), u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-            u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]), u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-        }
-        for (int j = 0; j < 4; j++)
-            c[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20), c[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(c[j]);
-        SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-            const int8_t *x = xq + (int64_t)b * K + o;
-            __m256i sum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++) {
-                int32_t v;
-                memcpy(&v, x + 4 * j, 4);
-                const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), c[j]);
+        const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + g));
+        acc[0] = _mm256_fmadd_ps(t, s8, acc[0]);
+        return;
+    }
+    __m256i t[8], u[8], c[8], a[8];   // c[j]: code dword j of every row; a[j]: |c[j]|
+    for (int i = 0; i < 4; i++)
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    for (int h = 0; h < 2; h++) {   // rows 4h..4h+3
+        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]), u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]), u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++)
+        c[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20), c[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    for (int j = 0; j < 8; j++) a[j] = _mm256_abs_epi8(c[j]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+        const int8_t *x = xq + (int64_t)b * K + o;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            int32_t v;
+            memcpy(&v, x + 4 * j, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), c[j]);
 #ifdef SS_VNNI
-                sum = SS_DPBUSD(sum, a[j], xs);
+            sum = SS_DPBUSD(sum, a[j], xs);
 #else
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], xs), ones));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], xs), ones));
 #endif
-            }
-            const __m256 tt = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
-            acc[b] = _mm256_fmadd_ps(tt, s8, acc[b]);
         }
+        const __m256 tt = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+        acc[b] = _mm256_fmadd_ps(tt, s8, acc[b]);
     }
 }
 // eo: as q4i_rows8

@@ -173,11 +173,12 @@ enum { q4_half_direct = 1 };   // fp16 q4 scales go to q4p_row as they are
 enum { q4_half_direct = 0 };
 #endif
 #if defined(SS_AVX2)
-// The 8 weight rows from n's scales and offsets gathered from the [N][G] planes as fp32 [G][8] (q4i_rows8),
+// The 8 weight rows from n's scales and offsets gathered from the [N][G] planes as fp32 [G][8] (q4i_rows8,
+// q8i_rows8; a q8 matrix's offsets come out as -8 x its scales, unread),
 // rows past `live` repeating the last live row's: for blocks that do not start on a multiple of 8, where the
 // loader made no tile-ordered copy, and for Q4_K's 6-bit scales (widened a row at a time into rs and rm,
 // [G] each). The same values as the copy's and as the planes'.
-static void q4i_gather(const SSMat *m, int n, int live, int G, int half, float *sc8, float *mn8, float *rs, float *rm) {
+static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float *sc8, float *mn8, float *rs, float *rm) {
     const int k6 = m->qtype == Q4_K6;
     for (int r = 0; r < 8; r++) {
         const int64_t row = n + (r < live ? r : live - 1);
@@ -201,10 +202,35 @@ static void q4i_gather(const SSMat *m, int n, int live, int G, int half, float *
 #define F16C_BUILD 0
 #endif
 // ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones; a kind without its bit goes back to q4p_row / q8p_row (A/B)
-static int rows8_usable = SS_Q4_ROWS8 ? 3 : 0;
+static int rows8_usable = SS_ROWS8 ? 3 : 0;
 __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] == '0') rows8_usable = 0;
+}
+
+// Into L2, once per 16 rows: the tile-ordered scales (and mins) of the block of 16 that holds row nx, `len`
+// bytes per block (the 8-row kernels prefetch the block pf_rows ahead of the one they multiply)
+static inline void rows8_prefetch_tiles(const SSMat *m, int64_t nx, int64_t len) {
+    if (!m->scale_t || nx >= m->n || (nx >> 4) == ((nx - 8) >> 4)) return;
+    const int64_t at = (nx >> 4) * len;
+    for (int64_t o = 0; o < len; o += 64) {
+        __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
+        if (m->min_t) __builtin_prefetch((const char *)m->min_t + at + o, 0, 2);
+    }
+}
+
+// y[b * ystride + n + r] (=|+=) out[b]'s lane r (+ bias[n + r]) for the block's `live` rows
+static inline void rows8_store(const SSMat *m, const __m256 *out, int nb, int n, int live, float *y, int ystride,
+                               int accumulate) {
+    for (int b = 0; b < nb; b++) {
+        _Alignas(32) float v[8];
+        _mm256_store_ps(v, out[b]);
+        float *yo = y + (int64_t)b * ystride + n;
+        for (int r = 0; r < live; r++) {
+            const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
+            yo[r] = accumulate ? yo[r] + t : t;
+        }
+    }
 }
 
 // Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
@@ -227,16 +253,7 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
             }
             for (int64_t o = 0; o < 8 * (int64_t)(G / 4) * 2; o += 64) __builtin_prefetch((const char *)(m->kdm + r * (G / 4)) + o, 0, 2);
         }
-        if (pf_rows && m->scale_t) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
-            const int64_t nx = n + pf_rows;
-            if (nx < m->n && (nx >> 4) != ((nx - 8) >> 4)) {
-                const int64_t len = compact ? 20 * (int64_t)G : 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
-                for (int64_t o = 0; o < len; o += 64) {
-                    __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
-                    if (m->min_t) __builtin_prefetch((const char *)m->min_t + at + o, 0, 2);
-                }
-            }
-        }
+        if (pf_rows) rows8_prefetch_tiles(m, n + pf_rows, compact ? 20 * (int64_t)G : 16 * (int64_t)G * (half ? 2 : 4));
         const uint8_t *w[8];
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
         // the scales: the tile-ordered copy read in place (fp16 or fp32, 16 rows per group), or gathered
@@ -253,22 +270,14 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
             sc = (const char *)m->scale_t + at * esz, mn = m->min_t ? (const char *)m->min_t + at * esz : NULL;
             ss = 16, sh = half;
         } else {
-            q4i_gather(m, n, live, G, half, sc8, mn8, rs, rm);
+            rows8_gather(m, n, live, G, half, sc8, mn8, rs, rm);
         }
         const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
         __m256 out[MAX_ROWS];
 #define Q4I(NB) q4i_rows8(w, sc, mn, sh, ss, G, x->q, x->d, x->s, NB, pf, eo, out)
         SS_BY_ROWS(nb, Q4I)
 #undef Q4I
-        for (int b = 0; b < nb; b++) {
-            _Alignas(32) float v[8];
-            _mm256_store_ps(v, out[b]);
-            float *yo = y + (int64_t)b * ystride + n;
-            for (int r = 0; r < live; r++) {
-                const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
-                yo[r] = accumulate ? yo[r] + t : t;
-            }
-        }
+        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
     }
 }
 
@@ -277,16 +286,10 @@ __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, i
 __attribute__((noinline)) static void q8i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                               int ystride, int accumulate, int half, int pf_rows, int eo) {
     const int K = m->k, G = K / 32;
-    float *sc8 = alloca(sizeof(float) * 8 * G);
+    float *sc8 = alloca(sizeof(float) * 8 * G), *mn8 = alloca(sizeof(float) * 8 * G);
     for (int n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
-        if (pf_rows && m->scale_t) {   // the tile-ordered scales of the block pf_rows ahead, once per 16 rows
-            const int64_t nx = n + pf_rows;
-            if (nx < m->n && (nx >> 4) != ((nx - 8) >> 4)) {
-                const int64_t len = 16 * (int64_t)G * (half ? 2 : 4), at = (nx >> 4) * len;
-                for (int64_t o = 0; o < len; o += 64) __builtin_prefetch((const char *)m->scale_t + at + o, 0, 2);
-            }
-        }
+        if (pf_rows) rows8_prefetch_tiles(m, n + pf_rows, 16 * (int64_t)G * (half ? 2 : 4));
         const int8_t *w[8];
         for (int r = 0; r < 8; r++) w[r] = (const int8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * K;
         const void *sc = sc8;
@@ -296,26 +299,14 @@ __attribute__((noinline)) static void q8i_rows(const SSMat *m, int n0, int n1, i
             sc = (const char *)m->scale_t + ((int64_t)(n >> 4) * G * 16 + (n & 8)) * (half ? 2 : 4);
             ss = 16, sh = half;
         } else {
-            for (int r = 0; r < 8; r++) {
-                const int64_t row = n + (r < live ? r : live - 1);
-                for (int g = 0; g < G; g++)
-                    sc8[8 * g + r] = half ? ss_half_to_f32(((const uint16_t *)m->scale)[row * G + g]) : m->scale[row * G + g];
-            }
+            rows8_gather(m, n, live, G, half, sc8, mn8, NULL, NULL);   // mn8: unread (q8 has no offsets)
         }
         const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * K : NULL;
         __m256 out[MAX_ROWS];
 #define Q8I(NB) q8i_rows8(w, sc, sh, ss, G, x->q, x->d, NB, pf, eo, out)
         SS_BY_ROWS(nb, Q8I)
 #undef Q8I
-        for (int b = 0; b < nb; b++) {
-            _Alignas(32) float v[8];
-            _mm256_store_ps(v, out[b]);
-            float *yo = y + (int64_t)b * ystride + n;
-            for (int r = 0; r < live; r++) {
-                const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
-                yo[r] = accumulate ? yo[r] + t : t;
-            }
-        }
+        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
     }
 }
 #endif
@@ -485,7 +476,7 @@ int ss_set_twin(int on) {
 // for A/B measurements; returns the resulting state (0 on builds without the 8-row kernels)
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
-    rows8_usable = SS_Q4_ROWS8 ? on & 3 : 0;
+    rows8_usable = SS_ROWS8 ? on & 3 : 0;
     return rows8_usable;
 #else
     (void)on;
@@ -500,7 +491,7 @@ int ss_tile_planes(void) {
 #ifdef SS_TWIN
     return 1;
 #elif defined(SS_AVX2)
-    return SS_Q4_ROWS8 ? 2 : 0;   // the AVX2 8-row products (q4i_rows, q8i_rows)
+    return SS_ROWS8 ? 2 : 0;   // the AVX2 8-row products (q4i_rows, q8i_rows)
 #else
     return 0;
 #endif
