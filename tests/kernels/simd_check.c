@@ -228,6 +228,76 @@ static int check_rows8(void) {
 #endif
 }
 
+// qtypes.h's 8-weight-rows Q6_K product (x86 AVX2 builds) against a plain loop over its defined arithmetic, bit
+// for bit: per (weight row, activation row) each group's exact integer sum of sc (c - 32) x, then in group order
+// acc = fma(float(sum), d x xd, acc); rows re-blocked from random ggml blocks (a -128 scale among them), one and
+// three super-blocks, every row count 1-8, an all-zero activation row
+static int check_q6_rows8(void) {
+#if defined(SS_AVX2)
+    enum { SMAX = 3, KMAX = 256 * SMAX };
+    static uint8_t src[8][210 * SMAX], rb[8][210 * SMAX];
+    static int8_t xq[MAX_ROWS * KMAX], code[8][KMAX];
+    static float xd[MAX_ROWS * KMAX / 32], xs[MAX_ROWS * KMAX / 32], x[KMAX];
+    static int16_t xh[MAX_ROWS * KMAX / 16];
+    int ok = 1;
+    for (int S = 1; S <= SMAX; S += 2) {
+        const int K = 256 * S, G = K / 32;
+        for (int r = 0; r < 8; r++) {
+            for (int i = 0; i < 210 * S; i++) src[r][i] = (uint8_t)irand(0, 255);
+            for (int s = 0; s < S; s++) {
+                const uint16_t hd = (uint16_t)(0x1800 + irand(0, 0x0FFF) + (irand(0, 1) << 15));
+                memcpy(&src[r][210 * s + 208], &hd, 2);
+                if (r == 2) src[r][210 * s + 192 + 5] = 0x80;
+            }
+            qt_rb6_pack_row(src[r], K, rb[r]);
+            for (int s = 0; s < S; s++) {
+                QTBlock u;
+                qt_unpack(QT_Q6_K, src[r] + 210 * s, &(QTOut){u.q, u.sc, u.mn});
+                memcpy(code[r] + 256 * s, u.q, 256);
+            }
+        }
+        for (int m = 0; m < MAX_ROWS; m++) {
+            for (int i = 0; i < K; i++) x[i] = frand() * (m == 3 ? 0.f : 2.f);
+            ss_quantize_row(x, K, xq + m * K, xd + m * G, xs + m * G);
+        }
+        qt_code_sums16(xq, K, MAX_ROWS, xh);
+        const uint8_t *p[8];
+        for (int r = 0; r < 8; r++) p[r] = rb[r];
+        for (int nb = 1; nb <= MAX_ROWS; nb++) {
+            __m256 out[MAX_ROWS];
+#define R6(NB) qt_rb6_rows8(p, K, xq, xd, xh, NB, NULL, out)
+            SS_BY_ROWS(nb, R6)
+#undef R6
+            for (int m = 0; m < nb; m++) {
+                float got[8];
+                _mm256_storeu_ps(got, out[m]);
+                for (int r = 0; r < 8; r++) {
+                    float acc = 0.f;
+                    for (int g = 0; g < G; g++) {
+                        const uint8_t *blk = src[r] + 210 * (g / 8);
+                        int sum = 0;
+                        for (int j = 0; j < 32; j++) {
+                            const int e = 32 * (g % 8) + j;
+                            sum += (int8_t)blk[192 + e / 16] * code[r][32 * g + j] * xq[m * K + 32 * g + j];
+                        }
+                        uint16_t hd;
+                        memcpy(&hd, blk + 208, 2);
+                        acc = fmaf((float)sum, ss_half_to_f32(hd) * xd[m * G + g], acc);
+                    }
+                    if (got[r] != acc) {
+                        printf("q6 rows8 S %d nb %d row %d act %d: %.9g want %.9g\n", S, nb, r, m, got[r], acc);
+                        ok = 0;
+                    }
+                }
+            }
+        }
+    }
+    return ok;
+#else
+    return 1;
+#endif
+}
+
 // the fast q4 product at widths that exercise every step of the AVX2 kernel (8-group chunks, a pair
 // after them, an odd last group), at 1-8 rows, with fp32 scales and (AVX2 + F16C) fp16 ones
 static int check_q4_widths(void) {
@@ -397,6 +467,7 @@ int main(void) {
     for (int i = 0; i < K; i++) ok &= close_to(o[i], x[1][i] + 0.5 * x[2][i], 1e-6, "axpy", i);
     ok &= check_qtypes();
     ok &= check_rows8();
+    ok &= check_q6_rows8();
     ok &= check_q4_widths();
     ok &= check_exp();
     ok &= check_argmax();

@@ -739,6 +739,111 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
     }
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]);
 }
+
+// Q6_K over 8 weight rows at once, as simd.h's q4i_rows8 does q4: per group the 8 rows' code bytes are
+// transposed in registers so that 32-bit lane r holds 4 codes of weight row r, an activation row's matching 4
+// codes are broadcast, and the group's exact int32 sums come out with lanes = weight rows (no horizontal sums;
+// the one-row qt_rb6_q8_row spends two thirds more vector operations per multiply-add at 8 activation rows).
+// The 6-bit codes stay unsigned (0..63, maddubs' unsigned operand: no sign trick), each sub-block of 16 scaled
+// in the integer sums (vpmaddwd), and the -32 offset comes off as -32 x the scales x the activation's per-16
+// code sums xh. Per (weight row n, activation row m), in group order:
+//     acc = fma(float(sum_g), d_n x xd[m][g], acc),  sum_g = sum over the group of sc (c - 32) x  (exact)
+// so a row's result is the same alone and in a batch (a row past the range's end may repeat the last one).
+// w[r]: weight row r (the re-blocked planes); xh [nb][K / 16]: the activation rows' per-16 code sums (int16).
+// pf: 8 x 210 K / 256 bytes (the next block of 8 rows) prefetched into L2, 210 bytes per group.
+// int16 partial sums are exact: 4 products of 63 x 127 per lane (32004).
+AI void qt8_t16(const uint8_t *const w[8], int64_t off, __m256i c[4]) {   // 16 bytes of 8 rows -> lanes = rows
+    const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + off), (const __m128i *)(w[0] + off));
+    const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + off), (const __m128i *)(w[1] + off));
+    const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + off), (const __m128i *)(w[2] + off));
+    const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + off), (const __m128i *)(w[3] + off));
+    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
+    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
+    c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);   // bytes 0-3, 4-7
+    c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);   // 8-11, 12-15
+}
+AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const float *xd, const int16_t *xh, int nb,
+                     const char *pf, __m256 out[MAX_ROWS]) {
+    const int G = K / 32;
+    __m256 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    _Alignas(32) int8_t codes[4][8][32];   // four groups' codes, lanes = rows (read from L1 by the products)
+    for (int sb = 0; sb < G / 8; sb++) {
+        _Alignas(16) uint16_t dh[8];
+        for (int r = 0; r < 8; r++) memcpy(&dh[r], w[r] + 26 * (int64_t)G + 2 * sb, 2);
+#if defined(__F16C__)
+        const __m256 d8 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)dh));
+#else
+        const __m256 d8 = _mm256_setr_ps(qt_f16((const uint8_t *)&dh[0]), qt_f16((const uint8_t *)&dh[1]), qt_f16((const uint8_t *)&dh[2]),
+                                         qt_f16((const uint8_t *)&dh[3]), qt_f16((const uint8_t *)&dh[4]), qt_f16((const uint8_t *)&dh[5]),
+                                         qt_f16((const uint8_t *)&dh[6]), qt_f16((const uint8_t *)&dh[7]));
+#endif
+        __m256i T[4];   // the sub-block scales: T[k] bytes i = group 4k + i's first (k < 2) or second (k >= 2) scale
+        qt8_t16(w, 24 * (int64_t)G + 16 * sb, T);
+        for (int h4 = 0; h4 < 2; h4++) {
+            const int g0 = 8 * sb + 4 * h4;
+            {   // decode four groups: the low-nibble plane (two pairs of groups) and the top-two-bits plane
+                __m256i L[8], H[8];
+                qt8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0, H), qt8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0 + 16, H + 4);
+                for (int p = 0; p < 2; p++) {
+                    qt8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), qt8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i lo = _mm256_and_si256(L[j], m4), hi = _mm256_and_si256(_mm256_srli_epi16(L[j], 4), m4);
+                        const __m256i h0 = _mm256_and_si256(p ? H[j] : _mm256_slli_epi16(H[j], 4), m30);
+                        const __m256i h1 = _mm256_and_si256(p ? _mm256_srli_epi16(H[j], 2) : _mm256_slli_epi16(H[j], 2), m30);
+                        _mm256_store_si256((__m256i *)codes[2 * p][j], _mm256_or_si256(lo, h0));
+                        _mm256_store_si256((__m256i *)codes[2 * p + 1][j], _mm256_or_si256(hi, h1));
+                    }
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                const int g = g0 + i;
+                if (pf)
+                    for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + 210 * (int64_t)g + o, 0, 2);
+                // the rows' two scales as int16: (sa, sa), (sb, sb) and (sa, sb) per lane
+                const __m256i ctl = _mm256_setr_epi8(-128, i, -128, i, -128, 4 + i, -128, 4 + i, -128, 8 + i, -128, 8 + i,
+                                                     -128, 12 + i, -128, 12 + i, -128, i, -128, i, -128, 4 + i, -128, 4 + i,
+                                                     -128, 8 + i, -128, 8 + i, -128, 12 + i, -128, 12 + i);
+                const __m256i ra = _mm256_shuffle_epi8(T[h4], ctl), rb = _mm256_shuffle_epi8(T[2 + h4], ctl);
+                const __m256i sa = _mm256_srai_epi16(ra, 8), sbv = _mm256_srai_epi16(rb, 8);
+                const __m256i sab = _mm256_srai_epi16(_mm256_blend_epi16(ra, rb, 0xAA), 8);
+                const __m256i *q = (const __m256i *)codes[i];
+                SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                    const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
+                    __m256i x[8];
+                    for (int j = 0; j < 8; j++) {
+                        int32_t v;
+                        memcpy(&v, a + 4 * j, 4);
+                        x[j] = _mm256_set1_epi32(v);
+                    }
+                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 0), x[0]), _mm256_maddubs_epi16(_mm256_load_si256(q + 1), x[1]));
+                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 2), x[2]), _mm256_maddubs_epi16(_mm256_load_si256(q + 3), x[3]));
+                    const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 4), x[4]), _mm256_maddubs_epi16(_mm256_load_si256(q + 5), x[5]));
+                    const __m256i p3 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 6), x[6]), _mm256_maddubs_epi16(_mm256_load_si256(q + 7), x[7]));
+                    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, sa), _mm256_madd_epi16(p1, sa)),
+                                                       _mm256_add_epi32(_mm256_madd_epi16(p2, sbv), _mm256_madd_epi16(p3, sbv)));
+                    int32_t hv;
+                    memcpy(&hv, xh + (int64_t)b * (K / 16) + 2 * (int64_t)g, 4);
+                    const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sab, _mm256_set1_epi32(hv)), 5);
+                    const __m256 f = _mm256_mul_ps(d8, _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+                    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, off)), f, acc[b]);
+                }
+            }
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
+
+// xh[b][s]: the sum of activation row b's 16 codes of sub-block s (qt_rb6_rows8's offset term)
+AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
+    for (int b = 0; b < nb; b++)
+        for (int s = 0; s < K / 16; s++) {
+            int t = 0;
+            for (int j = 0; j < 16; j++) t += xq[(int64_t)b * K + 16 * s + j];
+            xh[(int64_t)b * (K / 16) + s] = (int16_t)t;
+        }
+}
 #endif
 
 // -- fast product: one weight row of block type t against nb int8 activation rows ------------------

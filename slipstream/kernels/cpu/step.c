@@ -201,8 +201,9 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #else
 #define F16C_BUILD 0
 #endif
-// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones; a kind without its bit goes back to q4p_row / q8p_row (A/B)
-static int rows8_usable = SS_ROWS8 ? 3 : 0;
+// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's; a kind without its bit goes back to
+// q4p_row / q8p_row / qt_rb6_q8_row (A/B)
+static int rows8_usable = SS_ROWS8 ? 7 : 0;
 __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] == '0') rows8_usable = 0;
@@ -410,6 +411,25 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 }
 
 #if defined(SS_AVX2)
+// Rows [n0, n1) of a re-blocked Q6_K matrix on the fast path, 8 weight rows at a time (qtypes.h qt_rb6_rows8)
+__attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
+                                              int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
+    const int K = m->k;
+    int16_t *xh = alloca(sizeof(int16_t) * (size_t)nb * (K / 16));
+    qt_code_sums16(x->q, K, nb, xh);
+    for (int n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? n1 - n : 8;
+        const uint8_t *w[8];
+        for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
+        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
+        __m256 out[MAX_ROWS];
+#define Q6I(NB) qt_rb6_rows8(w, K, x->q, x->d, xh, NB, pf, out)
+        SS_BY_ROWS(nb, Q6I)
+#undef Q6I
+        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
+    }
+}
+
 // Rows [n0, n1) of a re-blocked matrix (QT_R_Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS, _Q6_K) on the fast path,
 // up to MAX_ROWS activation rows: as q_rows, one loop nest per (type, row count) in a function of
 // its own, instead of a call of qt_q8_row per weight row. Returns 0 for the other types.
@@ -439,6 +459,10 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
     switch (m->qtype) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
     case QT_R_Q6_K:
+        if (rows8_usable & 4) {
+            q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
+            return 1;
+        }
         SS_BY_ROWS(nb, QTR6_LOOP)
         return 1;
     default: return 0;
@@ -471,12 +495,13 @@ int ss_set_twin(int on) {
 #endif
 }
 
-// Whether the AVX2 fast path's q4 (bit 0 of `on`) and q8 (bit 1) products take 8 weight rows at a time
-// (q4i_rows, q8i_rows: the default, 3) or one (q4p_row, q8p_row on paired activations: another fp32 order),
-// for A/B measurements; returns the resulting state (0 on builds without the 8-row kernels)
+// Whether the AVX2 fast path's q4 (bit 0 of `on`), q8 (bit 1) and Q6_K (bit 2) products take 8 weight rows at
+// a time (q4i_rows, q8i_rows, q6i_rows: the default, 7) or one (q4p_row, q8p_row on paired activations,
+// qt_rb6_q8_row: another fp32 order), for A/B measurements; returns the resulting state (0 on builds without the
+// 8-row kernels)
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
-    rows8_usable = SS_ROWS8 ? on & 3 : 0;
+    rows8_usable = SS_ROWS8 ? on & 7 : 0;
     return rows8_usable;
 #else
     (void)on;
