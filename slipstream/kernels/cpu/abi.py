@@ -51,7 +51,8 @@ ACT_SILU, ACT_GELU_TANH = 0, 1
 
 class SSAct(ctypes.Structure):
     """An activation: fp32 rows, and for the fast path their int8 codes, group scales and sums."""
-    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P), ("p", _P), ("e", _P)]   # p, e: simd.h ss_pair_groups
+    # p, e: simd.h ss_pair_groups; h: per-16 code sums (step.c makes them where a Q6_K product needs them)
+    _fields_ = [("f", _P), ("q", _P), ("d", _P), ("s", _P), ("p", _P), ("e", _P), ("h", _P)]
 
 
 class SSStep(ctypes.Structure):

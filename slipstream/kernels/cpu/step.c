@@ -97,6 +97,7 @@ typedef struct {
     float *d, *s;
     int8_t *p;   // [rows][K] the codes paired for the AVX2 q4 product (ss_pair_groups; NULL: none)
     float *e;    // [rows][4 K/32] the scales d, each four times, for the same product (with p)
+    int16_t *h;  // [rows][K/16] the codes' sums per 16 (Q6_K's 8-row product), or NULL: made where needed
 } SSAct;
 
 typedef struct {
@@ -415,8 +416,12 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
     const int K = m->k;
-    int16_t *xh = alloca(sizeof(int16_t) * (size_t)nb * (K / 16));
-    qt_code_sums16(x->q, K, nb, xh);
+    const int16_t *xh = x->h;
+    if (!xh) {   // a decode task's rows: summed here, once for the task's weight rows
+        int16_t *t = alloca(sizeof(int16_t) * (size_t)nb * (K / 16));
+        qt_code_sums16(x->q, K, nb, t);
+        xh = t;
+    }
     for (int n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
         const uint8_t *w[8];
@@ -478,7 +483,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 static SSAct act_rows(const SSAct *a, int64_t r, int K) {
     const int64_t G = K / 32;
     return (SSAct){a->f + r * K, a->q ? a->q + r * K : NULL, a->d ? a->d + r * G : NULL, a->s ? a->s + r * G : NULL,
-                   a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL};
+                   a->p ? a->p + r * K : NULL, a->e ? a->e + r * 4 * G : NULL, a->h ? a->h + r * (K / 16) : NULL};
 }
 
 // Whether the fast path's q4/q8 products run on the twin (and tiles) where this build has them: 1 by default;
@@ -590,12 +595,33 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     const int twin = 0;
 #endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
+#if defined(SS_AVX2)
+        if (!exact && x->q && !x->h && m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4)) {
+            // Q6_K's per-16 code sums once for the whole prompt chunk, not once per weight block
+            SSAct xh = *x;
+            xh.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16));
+            if (xh.h) {
+                qt_code_sums16(x->q, K, B, xh.h);
+                mat_rows(m, n0, n1, B, &xh, y, ystride, accumulate, exact);
+                free(xh.h);
+                return;
+            }
+        }
+#endif
         // With the twin and tiles (amx.h), every chunk against the whole range instead: a tile product
         // unpacks its weights itself, and a chunk's B operand (amx_prep) is built once, not once per weight
         // block (a 512-token prompt chunk on AMX: 446 -> 334 ms, step_ab.py --prefill 512)
         int wb = twin ? n1 - n0
                : (int)(16384 / (code_bytes + 2 * scale_bytes)) > 1 ? (int)(16384 / (code_bytes + 2 * scale_bytes)) : 1;
         if (!twin && wb > 8) wb &= ~7;
+#if defined(SS_AVX2)
+        // rows of over 2 KB (Q6_K at K = 2816, q4 past K = 4096): still blocks of 8 rows for the 8-row kernels
+        // (8 Q6_K rows at K = 2816, 18 KB, stay in a 32 KB L1), not 7 computed as 8 with their scales gathered
+        if (!twin && wb < 8 && !exact && x->q &&
+            ((m->kind == KIND_Q4 && (rows8_usable & 1)) || (m->kind == KIND_Q8 && (rows8_usable & 2)) ||
+             (m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4))))
+            wb = 8;
+#endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
             // blocks end on multiples of 8 rows (wherever n0 starts), so the 8-row kernels' blocks after the
             // first read their scales from the tile-ordered copy
@@ -1376,8 +1402,13 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     SSAct a = {(float *)x, (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * G),
                (float *)malloc(sizeof(float) * B * G), (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * 4 * G)};
     for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
-    int N = 0;
-    for (const SSMat *p = m; p; p = p->next) N += p->n;   // a chain's rows, all parts
+    int N = 0, q6 = 0;
+    for (const SSMat *p = m; p; p = p->next) N += p->n, q6 |= p->kind == KIND_QT && p->qtype == QT_R_Q6_K;   // a chain's rows, all parts
+#if defined(SS_AVX2)
+    if (q6 && !exact && (a.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16)))) qt_code_sums16(a.q, K, B, a.h);
+#else
+    (void)q6;
+#endif
     // row tiles over OpenMP's threads (the eager path's products: prefill chunks beside decode rows)
     const int tile = 16;
 #pragma omp parallel for schedule(dynamic, 1) if (N >= 4 * tile) num_threads(ss_parallel_threads())
@@ -1387,6 +1418,7 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     free(a.s);
     free(a.p);
     free(a.e);
+    free(a.h);
 }
 
 // rows [n0, n1) of a KIND_QT matrix decoded: int8 codes q[rows][K], per-16 scales and offsets
