@@ -73,7 +73,7 @@ def main() -> None:
                 med[v].append(statistics.median(times) * 1e3)
         one, eight = statistics.median(med[0]), statistics.median(med[1])
         print(f"batch {b}: one row at a time {one:.2f} ms, 8 rows at a time {eight:.2f} ms ({eight / one:.3f}x)")
-    lib.ss_set_rows8(7)
+    lib.ss_set_rows8(15)
 
 
 if __name__ == "__main__":

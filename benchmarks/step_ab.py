@@ -39,7 +39,7 @@ def main() -> None:
                          "rows attention prefetches ahead (ss_set_attn_prefetch), whether batched products run on AMX "
                          "tiles (ss_set_amx: 0 or 1), or whether q4/q8 products run on the twin and tiles or on the "
                          "paired kernels (ss_set_twin: 0 or 1), or whether the AVX2 q4 and q8 products take 8 weight rows "
-                         "at a time or one (ss_set_rows8: bit 0 q4, bit 1 q8, bit 2 Q6_K)")
+                         "at a time or one (ss_set_rows8: bit 0 q4, bit 1 q8, bit 2 Q6_K, bit 3 Q5_K, bit 4 Q5_0 and Q5_1 (off by default))")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()

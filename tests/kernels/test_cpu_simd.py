@@ -184,13 +184,13 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
         w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
         try:
             for rows in (1, 2, 5, 8, 11):
-                assert lib.ss_set_rows8(7) == 7
+                assert lib.ss_set_rows8(15) == 15
                 rows8 = _matmul(w, x[:rows], exact=False)
                 lib.ss_set_rows8(0)
                 twin = _matmul(w, x[:rows], exact=False)
                 assert torch.equal(rows8, twin), (half, rows)
         finally:
-            lib.ss_set_rows8(7)
+            lib.ss_set_rows8(15)
 
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
@@ -261,36 +261,43 @@ def test_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
         torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-Q6_ROWS8 = lib is not None and bool(lib.ss_set_rows8(7) & 4)   # x86 builds with AVX2: Q6_K 8 weight rows at a time
+QT_ROWS8 = lib is not None and bool(lib.ss_set_rows8(15) & 4)   # x86 builds with AVX2: Q6_K, Q5 8 rows at a time
+# ggml type -> (its ss_set_rows8 bit, shapes): Q5_0 and Q5_1 only on request (bit 4); K = 576 leaves a last pair of
+# groups after the fours (G % 4 == 2), K = 64 nothing but that pair
+QT_ROWS8_CASES = {14: (4, [(45, 256), (19, 768)]), 13: (8, [(45, 256), (21, 768)]),
+                  6: (16, [(45, 576), (37, 256), (20, 64)]), 7: (16, [(45, 576), (19, 1536)])}
 
 
-@pytest.mark.skipif(not Q6_ROWS8, reason="no 8-row Q6_K kernel in this build (x86 with AVX2 only)")
-@pytest.mark.parametrize("n,k", [(45, 256), (19, 768)])
-def test_q6k_rows8_alone_batched_and_against_the_one_row_kernel(n: int, k: int):
-    """Q6_K rows (re-blocked at load) take 8 weight rows at a time (qtypes.h qt_rb6_rows8) for every activation
-    row count: a row's result is bitwise the same alone, beside 7 others and in an 11-row batch (a chunk of 8
-    and one of 3), over a last block of 5 or 3 weight rows; it is what the one-row kernel gives (ss_set_rows8
-    without bit 2) up to the fp32 order of the group sums, and close to the exact path."""
+@pytest.mark.skipif(not QT_ROWS8, reason="no 8-row Q6_K and Q5 kernels in this build (x86 with AVX2 only)")
+@pytest.mark.parametrize("qtype", list(QT_ROWS8_CASES))
+def test_qtype_rows8_alone_batched_and_against_the_one_row_kernels(qtype: int):
+    """Q6_K, Q5_K (and on request Q5_0, Q5_1) rows, re-blocked at load, on 8 weight rows at a time (qtypes.h
+    qt_rb6_rows8, qt_rb5_rows8) for every activation row count: a row's result is bitwise the same alone, beside 7
+    others and in an 11-row batch (a chunk of 8 and one of 3), over a last block of 3 to 5 weight rows; it is what
+    the one-row kernels give (ss_set_rows8 without the type's bit) up to the fp32 order of the group sums, and close
+    to the exact path."""
     from support import random_blocks
-    w = Linear.from_raw(14, random_blocks(14, n, k, seed=n, size=2.0 / k ** 0.5), n, k)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 2
-    x[2] = 0   # an all-zero row (d = 0)
-    x[1, -32:] = 0
-    together = _matmul(w, x[:8], exact=False)
-    for i in range(8):
-        assert torch.equal(_matmul(w, x[i:i + 1], exact=False)[0], together[i]), i
-    assert torch.equal(_matmul(w, x, exact=False)[:8], together)
-    assert torch.equal(together[2], torch.zeros(n))
+    bit, shapes = QT_ROWS8_CASES[qtype]
     try:
-        assert lib.ss_set_rows8(3) == 3
-        one_row = _matmul(w, x[:8], exact=False)
+        for n, k in shapes:
+            w = Linear.from_raw(qtype, random_blocks(qtype, n, k, seed=n, size=2.0 / k ** 0.5), n, k)
+            x = torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * 2
+            x[2] = 0   # an all-zero row (d = 0)
+            x[1, -32:] = 0
+            assert lib.ss_set_rows8(15 | bit) & bit
+            together = _matmul(w, x[:8], exact=False)
+            for i in range(8):
+                assert torch.equal(_matmul(w, x[i:i + 1], exact=False)[0], together[i]), (n, k, i)
+            assert torch.equal(_matmul(w, x, exact=False)[:8], together), (n, k)
+            assert torch.equal(together[2], torch.zeros(n))
+            lib.ss_set_rows8(15 & ~bit)
+            one_row = _matmul(w, x[:8], exact=False)
+            assert not torch.equal(one_row, together), (n, k)   # the switch did something: another fp32 order
+            torch.testing.assert_close(together, one_row, rtol=1e-5, atol=1e-5 * one_row.abs().max().item())
+            exact = _matmul(w, x[:8], exact=True)
+            assert ((together - exact).norm() / exact.norm()).item() < 0.02, (n, k)
     finally:
-        lib.ss_set_rows8(7)
-    assert not torch.equal(one_row, together)   # the switch did something: another fp32 order
-    torch.testing.assert_close(together, one_row, rtol=1e-5, atol=1e-5 * one_row.abs().max().item())
-    exact = _matmul(w, x[:8], exact=True)
-    assert ((together - exact).norm() / exact.norm()).item() < 0.02
-    assert torch.isfinite(together).all()
+        lib.ss_set_rows8(15)
 
 
 @pytest.mark.skipif(not (ROWS8 or TWIN), reason="no 8-row kernels in this build (x86 with AVX2 only)")
@@ -317,7 +324,7 @@ def test_rows8_env_switch_puts_the_one_row_kernels_back(tmp_path):
         lib.ss_set_rows8(0)
         one_row = _matmul(w, x, exact=False)
     finally:
-        lib.ss_set_rows8(7)
+        lib.ss_set_rows8(15)
     assert torch.equal(from_env, one_row)
     if ROWS8:   # on AVX2 builds the default is another arithmetic: the switch did something
         assert not torch.equal(from_env, _matmul(w, x, exact=False))

@@ -835,6 +835,168 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 
+// Q5_0, Q5_1 and Q5_K (re-blocked) over 8 weight rows at once, as q4i_rows8: the 5-bit codes unsigned (0..31),
+// transposed in registers to lanes = weight rows, four groups at a time (the nibble plane's two pairs and the
+// high plane's four; a last pair of groups when G % 4 == 2 decoded per row and transposed). Per (weight row n,
+// activation row m), in group order (q4i_rows8's arithmetic):
+//     acc = fma(float(sum) * xd[m][g], s[n][g], acc);  acc = fma(o[n][g], xs[m][g], acc)
+// sum the group's exact integer sum of c x; s = d (Q5_0, Q5_1) or d x the 6-bit scale (Q5_K); o = -16 d (Q5_0),
+// m (Q5_1) or -(dmin x the 6-bit minimum) (Q5_K), the planes' very values. int16 partial sums are exact: 8
+// products of 31 x 127 per lane (31496). pf: 8 row_bytes bytes (the next block of 8 rows), spread over the groups.
+AI void qt8_half4(const uint8_t *const w[8], int64_t off, __m256 v[4]) {   // 4 fp16 of 8 rows -> 4 x 8 fp32 lanes = rows
+    __m128i d[8];
+    for (int r = 0; r < 8; r++) d[r] = _mm_loadl_epi64((const __m128i *)(w[r] + off));
+    const __m128i x01 = _mm_unpacklo_epi16(d[0], d[1]), x23 = _mm_unpacklo_epi16(d[2], d[3]);
+    const __m128i x45 = _mm_unpacklo_epi16(d[4], d[5]), x67 = _mm_unpacklo_epi16(d[6], d[7]);
+    const __m128i y0 = _mm_unpacklo_epi32(x01, x23), y1 = _mm_unpackhi_epi32(x01, x23);   // rows 0-3: groups 0,1 | 2,3
+    const __m128i z0 = _mm_unpacklo_epi32(x45, x67), z1 = _mm_unpackhi_epi32(x45, x67);   // rows 4-7
+    const __m128i g[4] = {_mm_unpacklo_epi64(y0, z0), _mm_unpackhi_epi64(y0, z0), _mm_unpacklo_epi64(y1, z1),
+                          _mm_unpackhi_epi64(y1, z1)};
+    for (int i = 0; i < 4; i++) {
+#if defined(__F16C__)
+        v[i] = _mm256_cvtph_ps(g[i]);
+#else
+        _Alignas(16) uint16_t h[8];
+        _mm_store_si128((__m128i *)h, g[i]);
+        v[i] = _mm256_setr_ps(ss_half_to_f32(h[0]), ss_half_to_f32(h[1]), ss_half_to_f32(h[2]), ss_half_to_f32(h[3]),
+                              ss_half_to_f32(h[4]), ss_half_to_f32(h[5]), ss_half_to_f32(h[6]), ss_half_to_f32(h[7]));
+#endif
+    }
+}
+AI __m256 qt8_f16_lanes(__m256i v) {   // the low 16 bits of each 32-bit lane, as fp16 -> fp32
+    const __m256i p = _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_setzero_si256());
+    const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(h);
+#else
+    _Alignas(16) uint16_t u[8];
+    _mm_store_si128((__m128i *)u, h);
+    return _mm256_setr_ps(ss_half_to_f32(u[0]), ss_half_to_f32(u[1]), ss_half_to_f32(u[2]), ss_half_to_f32(u[3]),
+                          ss_half_to_f32(u[4]), ss_half_to_f32(u[5]), ss_half_to_f32(u[6]), ss_half_to_f32(u[7]));
+#endif
+}
+AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t *xq, const float *xd, const float *xs,
+                     int nb, const char *pf, int64_t pf_group, __m256 out[MAX_ROWS]) {
+    const int G = K / 32, G4 = G & ~3;
+    __m256 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m10 = _mm256_set1_epi8(16);
+#ifndef SS_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    _Alignas(32) int8_t codes[4][8][32];   // four groups' codes, lanes = rows
+    __m256 s4[4], o4[4];
+    __m256i T[4];   // Q5_K: the current super-block's 8 headers, lanes = rows
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = g0 < G4 ? 4 : G - g0;   // 4, or the last pair
+        if (ng == 4) {
+            __m256i L[8], H[4];
+            qt8_t16(w, 16 * (int64_t)G + 4 * (int64_t)g0, H);
+            for (int p = 0; p < 2; p++) {
+                qt8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), qt8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
+                for (int j = 0; j < 8; j++) {
+                    const __m256i h = H[j & 3];
+                    for (int e = 0; e < 2; e++) {   // group g0 + 2p + e: nibble e of the pair's byte, bit i (or 4 + i)
+                        const int i = 2 * p + e;
+                        const __m256i lo = e ? _mm256_and_si256(_mm256_srli_epi16(L[j], 4), m4) : _mm256_and_si256(L[j], m4);
+                        const __m256i hb = j < 4 ? _mm256_slli_epi16(h, 4 - i) : _mm256_srli_epi16(h, i);
+                        _mm256_store_si256((__m256i *)codes[i][j], _mm256_or_si256(lo, _mm256_and_si256(hb, m10)));
+                    }
+                }
+            }
+        } else {   // G % 4 == 2: the last pair of groups, their fifth bits as ggml's qh (4 bytes per row and group)
+            __m256i L[8];
+            qt8_t16(w, 16 * (int64_t)g0, L), qt8_t16(w, 16 * (int64_t)g0 + 16, L + 4);
+            for (int e = 0; e < 2; e++) {
+                uint32_t qh[8];
+                for (int r = 0; r < 8; r++) memcpy(&qh[r], w[r] + 16 * (int64_t)G + 4 * (int64_t)(g0 + e), 4);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)qh);   // lane r: row r's 32 fifth bits
+                for (int j = 0; j < 8; j++) {
+                    // bits 4j..4j+3 to bit 4 of bytes 0..3 (one multiply: the four shifted copies do not overlap)
+                    const __m256i nib = _mm256_and_si256(_mm256_srli_epi32(v, 4 * j), _mm256_set1_epi32(15));
+                    const __m256i hb = _mm256_and_si256(_mm256_mullo_epi32(nib, _mm256_set1_epi32(0x02040810)), m10);
+                    const __m256i lo = e ? _mm256_and_si256(_mm256_srli_epi16(L[j], 4), m4) : _mm256_and_si256(L[j], m4);
+                    _mm256_store_si256((__m256i *)codes[e][j], _mm256_or_si256(lo, hb));
+                }
+            }
+        }
+        // the groups' scales and offsets, lanes = rows
+        if (t == QT_R_Q5_K) {
+            if (!(g0 & 7)) qt8_t16(w, 20 * (int64_t)G + 2 * (int64_t)g0, T);
+            const __m256 d = qt8_f16_lanes(T[3]), dm = qt8_f16_lanes(_mm256_srli_epi32(T[3], 16));
+            const __m256i f4 = _mm256_set1_epi32(15), f2 = _mm256_set1_epi32(3);
+            for (int e = 0; e < ng; e++) {
+                const int i = (g0 & 7) + e;
+                const __m256i lowb = _mm256_srli_epi32(T[i >> 2], 8 * (i & 3));
+                const __m256i sc = _mm256_or_si256(_mm256_and_si256(lowb, f4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(T[2], 2 * i), f2), 4));
+                const __m256i mn = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lowb, 4), f4),
+                                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(T[2], 16 + 2 * i), f2), 4));
+                s4[e] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+                o4[e] = _mm256_xor_ps(_mm256_mul_ps(dm, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.f));
+            }
+        } else {
+            if (ng == 4) {
+                qt8_half4(w, 20 * (int64_t)G + 2 * (int64_t)g0, s4);
+                if (t == QT_R_Q5_1) qt8_half4(w, 22 * (int64_t)G + 2 * (int64_t)g0, o4);
+            } else if (G >= 4) {   // the last four groups' scales (the pair before this one's among them)
+                __m256 v[4];
+                qt8_half4(w, 20 * (int64_t)G + 2 * (int64_t)(G - 4), v);
+                s4[0] = v[2], s4[1] = v[3];
+                if (t == QT_R_Q5_1) qt8_half4(w, 22 * (int64_t)G + 2 * (int64_t)(G - 4), v), o4[0] = v[2], o4[1] = v[3];
+            } else {
+                for (int e = 0; e < 2; e++) {
+                    float sv[8], ov[8];
+                    for (int r = 0; r < 8; r++) {
+                        sv[r] = qt_f16(w[r] + 20 * (int64_t)G + 2 * (g0 + e));
+                        ov[r] = t == QT_R_Q5_1 ? qt_f16(w[r] + 22 * (int64_t)G + 2 * (g0 + e)) : 0.f;
+                    }
+                    s4[e] = _mm256_loadu_ps(sv), o4[e] = _mm256_loadu_ps(ov);
+                }
+            }
+            if (t == QT_R_Q5_0)
+                for (int e = 0; e < ng; e++) o4[e] = _mm256_mul_ps(s4[e], _mm256_set1_ps(-16.f));
+        }
+        for (int e = 0; e < ng; e++) {
+            const int g = g0 + e;
+            if (pf)   // the lines that start in this group's share of the block: each line once
+                for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
+            const __m256i *q = (const __m256i *)codes[e];
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
+                __m256i x[8];
+                for (int j = 0; j < 8; j++) {
+                    int32_t v;
+                    memcpy(&v, a + 4 * j, 4);
+                    x[j] = _mm256_set1_epi32(v);
+                }
+#ifdef SS_VNNI
+                const __m256i z = _mm256_setzero_si256();
+                const __m256i e0 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, _mm256_load_si256(q + 0), x[0]), _mm256_load_si256(q + 1), x[1]),
+                                                      _mm256_load_si256(q + 2), x[2]), _mm256_load_si256(q + 3), x[3]);
+                const __m256i e1 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, _mm256_load_si256(q + 4), x[4]), _mm256_load_si256(q + 5), x[5]),
+                                                      _mm256_load_si256(q + 6), x[6]), _mm256_load_si256(q + 7), x[7]);
+                const __m256i sum = _mm256_add_epi32(e0, e1);
+#else
+                __m256i p[2];
+                for (int hq = 0; hq < 2; hq++) {
+                    const __m256i *qq = q + 4 * hq;
+                    const __m256i a01 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(qq), x[4 * hq]),
+                                                         _mm256_maddubs_epi16(_mm256_load_si256(qq + 1), x[4 * hq + 1]));
+                    const __m256i a23 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(qq + 2), x[4 * hq + 2]),
+                                                         _mm256_maddubs_epi16(_mm256_load_si256(qq + 3), x[4 * hq + 3]));
+                    p[hq] = _mm256_madd_epi16(_mm256_add_epi16(a01, a23), ones);
+                }
+                const __m256i sum = _mm256_add_epi32(p[0], p[1]);
+#endif
+                const __m256 tq = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+                acc[b] = _mm256_fmadd_ps(tq, s4[e], acc[b]);
+                acc[b] = _mm256_fmadd_ps(o4[e], _mm256_broadcast_ss(xs + (int64_t)b * G + g), acc[b]);
+            }
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
+
 // xh[b][s]: the sum of activation row b's 16 codes of sub-block s (qt_rb6_rows8's offset term)
 AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
     for (int b = 0; b < nb; b++)

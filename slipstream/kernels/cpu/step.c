@@ -202,9 +202,11 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #else
 #define F16C_BUILD 0
 #endif
-// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's; a kind without its bit goes back to
-// q4p_row / q8p_row / qt_rb6_q8_row (A/B)
-static int rows8_usable = SS_ROWS8 ? 7 : 0;
+// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's, bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's; a
+// kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B). Bit 4 is off by default:
+// Q5_0 and Q5_1 rows on 8 at a time measured 1.04-1.10x slower at batch 1 (their decoding costs what the 8-row
+// kernels save there) though 0.70-0.77x at batch 8 (docs/BENCHMARKS.md, 2026-11-29)
+static int rows8_usable = SS_ROWS8 ? 15 : 0;
 __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] == '0') rows8_usable = 0;
@@ -435,6 +437,27 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
     }
 }
 
+// Rows [n0, n1) of a re-blocked Q5_0, Q5_1 or Q5_K matrix on the fast path, 8 weight rows at a time (qt_rb5_rows8)
+__attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
+                                              int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
+    const int K = m->k, t = m->qtype;
+    for (int n = n0; n < n1; n += 8) {
+        const int live = n1 - n < 8 ? n1 - n : 8;
+        const uint8_t *w[8];
+        for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
+        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
+        const int64_t pf_group = 8 * row_bytes / (K / 32);
+        __m256 out[MAX_ROWS];
+#define Q5I(NB)                                                                                       \
+        if (t == QT_R_Q5_0) qt_rb5_rows8(QT_R_Q5_0, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);  \
+        else if (t == QT_R_Q5_1) qt_rb5_rows8(QT_R_Q5_1, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
+        else qt_rb5_rows8(QT_R_Q5_K, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
+        SS_BY_ROWS(nb, Q5I)
+#undef Q5I
+        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
+    }
+}
+
 // Rows [n0, n1) of a re-blocked matrix (QT_R_Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS, _Q6_K) on the fast path,
 // up to MAX_ROWS activation rows: as q_rows, one loop nest per (type, row count) in a function of
 // its own, instead of a call of qt_q8_row per weight row. Returns 0 for the other types.
@@ -461,6 +484,10 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out))
 #define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
+    if (qt_rb_q5(m->qtype) && (rows8_usable & (m->qtype == QT_R_Q5_K ? 8 : 16))) {
+        q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
+        return 1;
+    }
     switch (m->qtype) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
     case QT_R_Q6_K:
@@ -500,13 +527,13 @@ int ss_set_twin(int on) {
 #endif
 }
 
-// Whether the AVX2 fast path's q4 (bit 0 of `on`), q8 (bit 1) and Q6_K (bit 2) products take 8 weight rows at
-// a time (q4i_rows, q8i_rows, q6i_rows: the default, 7) or one (q4p_row, q8p_row on paired activations,
-// qt_rb6_q8_row: another fp32 order), for A/B measurements; returns the resulting state (0 on builds without the
-// 8-row kernels)
+// Whether the AVX2 fast path's q4 (bit 0 of `on`), q8 (bit 1), Q6_K (bit 2), Q5_K (bit 3) and Q5_0/Q5_1 (bit 4)
+// products take 8 weight rows at a time (q4i_rows, q8i_rows, q6i_rows, q5i_rows: the default 15, bits 0-3) or one
+// (q4p_row, q8p_row on paired activations, qt_rb6_q8_row, qt_rb_q8_row: another fp32 order), for A/B measurements;
+// returns the resulting state (0 on builds without the 8-row kernels)
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
-    rows8_usable = SS_ROWS8 ? on & 7 : 0;
+    rows8_usable = SS_ROWS8 ? on & 31 : 0;
     return rows8_usable;
 #else
     (void)on;
@@ -619,7 +646,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         // (8 Q6_K rows at K = 2816, 18 KB, stay in a 32 KB L1), not 7 computed as 8 with their scales gathered
         if (!twin && wb < 8 && !exact && x->q &&
             ((m->kind == KIND_Q4 && (rows8_usable & 1)) || (m->kind == KIND_Q8 && (rows8_usable & 2)) ||
-             (m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4))))
+             (m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4)) ||
+             (m->kind == KIND_QT && qt_rb_q5(m->qtype) && (rows8_usable & (m->qtype == QT_R_Q5_K ? 8 : 16)))))
             wb = 8;
 #endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
