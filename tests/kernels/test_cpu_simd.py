@@ -182,6 +182,7 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
         sc = base.scale.half() if half else base.scale
         mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
         w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
+        before = lib.ss_rows8()
         try:
             for rows in (1, 2, 5, 8, 11):
                 assert lib.ss_set_rows8(15) == 15
@@ -190,7 +191,7 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
                 twin = _matmul(w, x[:rows], exact=False)
                 assert torch.equal(rows8, twin), (half, rows)
         finally:
-            lib.ss_set_rows8(15)
+            lib.ss_set_rows8(before)
 
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
@@ -261,10 +262,10 @@ def test_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
         torch.testing.assert_close(together, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-QT_ROWS8 = lib is not None and bool(lib.ss_set_rows8(15) & 4)   # x86 builds with AVX2: Q6_K, Q5 8 rows at a time
+QT_ROWS8 = lib is not None and lib.ss_tile_planes() > 0   # x86 builds with AVX2: Q6_K, Q5 8 rows at a time
 # ggml type -> (its ss_set_rows8 bit, shapes): Q5_0 and Q5_1 only on request (bit 4); K = 576 leaves a last pair of
 # groups after the fours (G % 4 == 2), K = 64 nothing but that pair
-QT_ROWS8_CASES = {14: (4, [(45, 256), (19, 768)]), 13: (8, [(45, 256), (21, 768)]),
+QT_ROWS8_CASES = {14: (4, [(45, 256), (19, 768), (19, 2816)]), 13: (8, [(45, 256), (21, 768)]),
                   6: (16, [(45, 576), (37, 256), (20, 64)]), 7: (16, [(45, 576), (19, 1536)])}
 
 
@@ -278,6 +279,7 @@ def test_qtype_rows8_alone_batched_and_against_the_one_row_kernels(qtype: int):
     to the exact path."""
     from support import random_blocks
     bit, shapes = QT_ROWS8_CASES[qtype]
+    before = lib.ss_rows8()
     try:
         for n, k in shapes:
             w = Linear.from_raw(qtype, random_blocks(qtype, n, k, seed=n, size=2.0 / k ** 0.5), n, k)
@@ -297,7 +299,7 @@ def test_qtype_rows8_alone_batched_and_against_the_one_row_kernels(qtype: int):
             exact = _matmul(w, x[:8], exact=True)
             assert ((together - exact).norm() / exact.norm()).item() < 0.02, (n, k)
     finally:
-        lib.ss_set_rows8(15)
+        lib.ss_set_rows8(before)
 
 
 @pytest.mark.skipif(not (ROWS8 or TWIN), reason="no 8-row kernels in this build (x86 with AVX2 only)")
@@ -320,11 +322,12 @@ def test_rows8_env_switch_puts_the_one_row_kernels_back(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     from_env = torch.load(tmp_path / "y.pt")
+    before = lib.ss_rows8()
     try:
         lib.ss_set_rows8(0)
         one_row = _matmul(w, x, exact=False)
     finally:
-        lib.ss_set_rows8(15)
+        lib.ss_set_rows8(before)
     assert torch.equal(from_env, one_row)
     if ROWS8:   # on AVX2 builds the default is another arithmetic: the switch did something
         assert not torch.equal(from_env, _matmul(w, x, exact=False))

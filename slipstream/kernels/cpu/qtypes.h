@@ -886,7 +886,8 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
 #endif
     _Alignas(32) int8_t codes[4][8][32];   // four groups' codes, lanes = rows
     __m256 s4[4], o4[4];
-    __m256i T[4];   // Q5_K: the current super-block's 8 headers, lanes = rows
+    __m256i T[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    // T: Q5_K's current super-block headers of the 8 rows, lanes = rows (set at each super-block's first group)
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int ng = g0 < G4 ? 4 : G - g0;   // 4, or the last pair
         if (ng == 4) {

@@ -531,6 +531,14 @@ int ss_set_twin(int on) {
 // products take 8 weight rows at a time (q4i_rows, q8i_rows, q6i_rows, q5i_rows: the default 15, bits 0-3) or one
 // (q4p_row, q8p_row on paired activations, qt_rb6_q8_row, qt_rb_q8_row: another fp32 order), for A/B measurements;
 // returns the resulting state (0 on builds without the 8-row kernels)
+int ss_rows8(void) {   // the current ss_set_rows8 state, read only (tests restore it)
+#if defined(SS_AVX2)
+    return rows8_usable;
+#else
+    return 0;
+#endif
+}
+
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
     rows8_usable = SS_ROWS8 ? on & 31 : 0;
@@ -624,7 +632,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
 #if defined(SS_AVX2)
         if (!exact && x->q && !x->h && m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4)) {
-            // Q6_K's per-16 code sums once for the whole prompt chunk, not once per weight block
+            // Q6_K's per-16 code sums once for this call's rows (a task's share of a prompt chunk), not once per
+            // weight block
             SSAct xh = *x;
             xh.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16));
             if (xh.h) {
@@ -1428,12 +1437,13 @@ const char *ss_isa(void) { return ss_isa_name(); }
 void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     const int K = m->k, G = K / 32;
     SSAct a = {(float *)x, (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * G),
-               (float *)malloc(sizeof(float) * B * G), (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * 4 * G)};
+               (float *)malloc(sizeof(float) * B * G), (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * 4 * G),
+               NULL};
     for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
     int N = 0, q6 = 0;
     for (const SSMat *p = m; p; p = p->next) N += p->n, q6 |= p->kind == KIND_QT && p->qtype == QT_R_Q6_K;   // a chain's rows, all parts
 #if defined(SS_AVX2)
-    if (q6 && !exact && (a.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16)))) qt_code_sums16(a.q, K, B, a.h);
+    if (q6 && !exact && (rows8_usable & 4) && (a.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16)))) qt_code_sums16(a.q, K, B, a.h);
 #else
     (void)q6;
 #endif
