@@ -390,7 +390,7 @@ AI __m256 q4p_scales2(const void *s, int half, int g) {   // [s_g, s_g+1, 0...]
         return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
     }
 #endif
-    return _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)((const float *)s + g))));
+    return _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)((const float *)s + g))));
 }
 AI float q4p_scale1(const void *s, int half, int g) {
 #if defined(__F16C__)
@@ -446,7 +446,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xp + (int64_t)b * K + g * 32)), acc[b]);
-            tail[b] += hsum128(_mm_mul_ps(m2, _mm_castpd_ps(_mm_load_sd((const double *)(xs + (int64_t)b * G + g)))));
+            tail[b] += hsum128(_mm_mul_ps(m2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(xs + (int64_t)b * G + g)))));
         }
     }
     if (g < G) {   // an odd last group: left unpaired (natural order) by ss_pair_groups
