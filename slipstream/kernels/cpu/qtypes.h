@@ -752,16 +752,6 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
 // w[r]: weight row r (the re-blocked planes); xh [nb][K / 16]: the activation rows' per-16 code sums (int16).
 // pf: 8 x 210 K / 256 bytes (the next block of 8 rows) prefetched into L2, 210 bytes per group.
 // int16 partial sums are exact: 4 products of 63 x 127 per lane (32004).
-AI void qt8_t16(const uint8_t *const w[8], int64_t off, __m256i c[4]) {   // 16 bytes of 8 rows -> lanes = rows
-    const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + off), (const __m128i *)(w[0] + off));
-    const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + off), (const __m128i *)(w[1] + off));
-    const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + off), (const __m128i *)(w[2] + off));
-    const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + off), (const __m128i *)(w[3] + off));
-    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
-    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
-    c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);   // bytes 0-3, 4-7
-    c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);   // 8-11, 12-15
-}
 AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const float *xd, const int16_t *xh, int nb,
                      const char *pf, __m256 out[MAX_ROWS]) {
     const int G = K / 32;
@@ -780,14 +770,14 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
                                          qt_f16((const uint8_t *)&dh[6]), qt_f16((const uint8_t *)&dh[7]));
 #endif
         __m256i T[4];   // the sub-block scales: T[k] bytes i = group 4k + i's first (k < 2) or second (k >= 2) scale
-        qt8_t16(w, 24 * (int64_t)G + 16 * sb, T);
+        rows8_t16(w, 24 * (int64_t)G + 16 * sb, T);
         for (int h4 = 0; h4 < 2; h4++) {
             const int g0 = 8 * sb + 4 * h4;
             {   // decode four groups: the low-nibble plane (two pairs of groups) and the top-two-bits plane
                 __m256i L[8], H[8];
-                qt8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0, H), qt8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0 + 16, H + 4);
+                rows8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0, H), rows8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0 + 16, H + 4);
                 for (int p = 0; p < 2; p++) {
-                    qt8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), qt8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
+                    rows8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), rows8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
                     for (int j = 0; j < 8; j++) {
                         const __m256i lo = _mm256_and_si256(L[j], m4), hi = _mm256_and_si256(_mm256_srli_epi16(L[j], 4), m4);
                         const __m256i h0 = _mm256_and_si256(p ? H[j] : _mm256_slli_epi16(H[j], 4), m30);
@@ -810,13 +800,8 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
                 const __m256i sab = _mm256_srai_epi16(_mm256_blend_epi16(ra, rb, 0xAA), 8);
                 const __m256i *q = (const __m256i *)codes[i];
                 SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                    const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
                     __m256i x[8];
-                    for (int j = 0; j < 8; j++) {
-                        int32_t v;
-                        memcpy(&v, a + 4 * j, 4);
-                        x[j] = _mm256_set1_epi32(v);
-                    }
+                    rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
                     const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 0), x[0]), _mm256_maddubs_epi16(_mm256_load_si256(q + 1), x[1]));
                     const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 2), x[2]), _mm256_maddubs_epi16(_mm256_load_si256(q + 3), x[3]));
                     const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 4), x[4]), _mm256_maddubs_epi16(_mm256_load_si256(q + 5), x[5]));
@@ -892,9 +877,9 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
         const int ng = g0 < G4 ? 4 : G - g0;   // 4, or the last pair
         if (ng == 4) {
             __m256i L[8], H[4];
-            qt8_t16(w, 16 * (int64_t)G + 4 * (int64_t)g0, H);
+            rows8_t16(w, 16 * (int64_t)G + 4 * (int64_t)g0, H);
             for (int p = 0; p < 2; p++) {
-                qt8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), qt8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
+                rows8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), rows8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
                 for (int j = 0; j < 8; j++) {
                     const __m256i h = H[j & 3];
                     for (int e = 0; e < 2; e++) {   // group g0 + 2p + e: nibble e of the pair's byte, bit i (or 4 + i)
@@ -907,7 +892,7 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
             }
         } else {   // G % 4 == 2: the last pair of groups, their fifth bits as ggml's qh (4 bytes per row and group)
             __m256i L[8];
-            qt8_t16(w, 16 * (int64_t)g0, L), qt8_t16(w, 16 * (int64_t)g0 + 16, L + 4);
+            rows8_t16(w, 16 * (int64_t)g0, L), rows8_t16(w, 16 * (int64_t)g0 + 16, L + 4);
             for (int e = 0; e < 2; e++) {
                 uint32_t qh[8];
                 for (int r = 0; r < 8; r++) memcpy(&qh[r], w[r] + 16 * (int64_t)G + 4 * (int64_t)(g0 + e), 4);
@@ -923,7 +908,7 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
         }
         // the groups' scales and offsets, lanes = rows
         if (t == QT_R_Q5_K) {
-            if (!(g0 & 7)) qt8_t16(w, 20 * (int64_t)G + 2 * (int64_t)g0, T);
+            if (!(g0 & 7)) rows8_t16(w, 20 * (int64_t)G + 2 * (int64_t)g0, T);
             const __m256 d = qt8_f16_lanes(T[3]), dm = qt8_f16_lanes(_mm256_srli_epi32(T[3], 16));
             const __m256i f4 = _mm256_set1_epi32(15), f2 = _mm256_set1_epi32(3);
             for (int e = 0; e < ng; e++) {
@@ -963,13 +948,8 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
                 for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
             const __m256i *q = (const __m256i *)codes[e];
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
                 __m256i x[8];
-                for (int j = 0; j < 8; j++) {
-                    int32_t v;
-                    memcpy(&v, a + 4 * j, 4);
-                    x[j] = _mm256_set1_epi32(v);
-                }
+                rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
 #ifdef SS_VNNI
                 const __m256i z = _mm256_setzero_si256();
                 const __m256i e0 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, _mm256_load_si256(q + 0), x[0]), _mm256_load_si256(q + 1), x[1]),

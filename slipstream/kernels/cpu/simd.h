@@ -492,6 +492,26 @@ AI __m256 q4i_k6_lanes(const uint8_t *blk, int G, int g, int64_t h) {   // d x s
     return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), d);
 }
 #endif
+// 16 bytes at `off` of 8 rows -> c[j]: bytes 4j..4j+3 of every row, 32-bit lane r = row r (a 4 x 4 dword
+// transpose in each 128-bit half: lanes 0-3 rows 0-3, lanes 4-7 rows 4-7); the 8-row kernels' code transpose
+AI void rows8_t16(const uint8_t *const w[8], int64_t off, __m256i c[4]) {
+    const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + off), (const __m128i *)(w[0] + off));
+    const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + off), (const __m128i *)(w[1] + off));
+    const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + off), (const __m128i *)(w[2] + off));
+    const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + off), (const __m128i *)(w[3] + off));
+    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
+    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
+    c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);
+    c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+// an activation row's 32 codes of a group as 8 registers, x[j] = codes 4j..4j+3 in every 32-bit lane
+AI void rows8_bcast(const int8_t *a, __m256i x[8]) {
+    for (int j = 0; j < 8; j++) {
+        int32_t v;
+        memcpy(&v, a + 4 * j, 4);
+        x[j] = _mm256_set1_epi32(v);
+    }
+}
 // one group g of q4i_rows8 into acc[0..nb)
 AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
                   const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, int g, __m256 *acc) {
@@ -500,16 +520,8 @@ AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, i
 #ifndef SS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
-    const int64_t o = 16 * (int64_t)g;
-    const __m256i a0 = _mm256_loadu2_m128i((const __m128i *)(w[4] + o), (const __m128i *)(w[0] + o));
-    const __m256i a1 = _mm256_loadu2_m128i((const __m128i *)(w[5] + o), (const __m128i *)(w[1] + o));
-    const __m256i a2 = _mm256_loadu2_m128i((const __m128i *)(w[6] + o), (const __m128i *)(w[2] + o));
-    const __m256i a3 = _mm256_loadu2_m128i((const __m128i *)(w[7] + o), (const __m128i *)(w[3] + o));
-    const __m256i t0 = _mm256_unpacklo_epi32(a0, a1), t1 = _mm256_unpackhi_epi32(a0, a1);
-    const __m256i t2 = _mm256_unpacklo_epi32(a2, a3), t3 = _mm256_unpackhi_epi32(a2, a3);
-    __m256i c[4];   // c[j]: 4 code bytes j of every row (lanes 0-3 rows 0-3, lanes 4-7 rows 4-7)
-    c[0] = _mm256_unpacklo_epi64(t0, t2), c[1] = _mm256_unpackhi_epi64(t0, t2);
-    c[2] = _mm256_unpacklo_epi64(t1, t3), c[3] = _mm256_unpackhi_epi64(t1, t3);
+    __m256i c[4];   // c[j]: code bytes 4j..4j+3 of every row
+    rows8_t16(w, 16 * (int64_t)g, c);
     __m256i q[8];   // q[j]: elements 4j..4j+3 of every row
     for (int j = 0; j < 4; j++)
         q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), m4);
@@ -526,13 +538,8 @@ AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, i
         o8 = mn8 ? q4i_scales8(mn8, half, g * ss) : _mm256_mul_ps(s8, _mm256_set1_ps(-8.f));
     }
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-        const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
         __m256i x[8];
-        for (int j = 0; j < 8; j++) {
-            int32_t v;
-            memcpy(&v, a + 4 * j, 4);
-            x[j] = _mm256_set1_epi32(v);
-        }
+        rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
 #ifdef SS_VNNI
         const __m256i z = _mm256_setzero_si256();
         const __m256i e = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[0], x[0]), q[1], x[1]), q[2], x[2]), q[3], x[3]);

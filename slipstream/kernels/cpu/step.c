@@ -211,6 +211,12 @@ __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_R
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] == '0') rows8_usable = 0;
 }
+// whether m's products run on the 8-row kernels now: its kind's ss_set_rows8 bit is on
+static inline int rows8_on(const SSMat *m) {
+    const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
+                  : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16 : 0;
+    return (rows8_usable & bit) != 0;
+}
 
 // Into L2, once per 16 rows: the tile-ordered scales (and mins) of the block of 16 that holds row nx, `len`
 // bytes per block (the 8-row kernels prefetch the block pf_rows ahead of the one they multiply)
@@ -380,11 +386,11 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
                                 q4p_row(W4(n), (const char *)m->scale + n * sstep, m->min ? (const char *)m->min + n * sstep : NULL, \
                                         half, G, x->p, xd, x->e, xs, NB, out);)
 #define Q8P(NB) QR_LOOP(NB, q8p_row(W8(n), (const char *)m->scale + n * sstep, half, G, x->p, xd, x->e, NB, out);)
-    if (!exact && (rows8_usable & 1) && m->kind == KIND_Q4 && x->q) {
+    if (!exact && m->kind == KIND_Q4 && rows8_on(m) && x->q) {
         q4i_rows(m, n0, n1, nb, x, y, ystride, accumulate, half, pf_rows, 0);
         return;
     }
-    if (!exact && (rows8_usable & 2) && m->kind == KIND_Q8 && x->q) {
+    if (!exact && m->kind == KIND_Q8 && rows8_on(m) && x->q) {
         q8i_rows(m, n0, n1, nb, x, y, ystride, accumulate, half, pf_rows, 0);
         return;
     }
@@ -484,14 +490,14 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out))
 #define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
-    if (qt_rb_q5(m->qtype) && (rows8_usable & (m->qtype == QT_R_Q5_K ? 8 : 16))) {
+    if (qt_rb_q5(m->qtype) && rows8_on(m)) {
         q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
         return 1;
     }
     switch (m->qtype) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
     case QT_R_Q6_K:
-        if (rows8_usable & 4) {
+        if (rows8_on(m)) {
             q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
             return 1;
         }
@@ -631,7 +637,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
 #if defined(SS_AVX2)
-        if (!exact && x->q && !x->h && m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4)) {
+        if (!exact && x->q && !x->h && m->kind == KIND_QT && m->qtype == QT_R_Q6_K && rows8_on(m)) {
             // Q6_K's per-16 code sums once for this call's rows (a task's share of a prompt chunk), not once per
             // weight block
             SSAct xh = *x;
@@ -653,11 +659,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #if defined(SS_AVX2)
         // rows of over 2 KB (Q6_K at K = 2816, q4 past K = 4096): still blocks of 8 rows for the 8-row kernels
         // (8 Q6_K rows at K = 2816, 18 KB, stay in a 32 KB L1), not 7 computed as 8 with their scales gathered
-        if (!twin && wb < 8 && !exact && x->q &&
-            ((m->kind == KIND_Q4 && (rows8_usable & 1)) || (m->kind == KIND_Q8 && (rows8_usable & 2)) ||
-             (m->kind == KIND_QT && m->qtype == QT_R_Q6_K && (rows8_usable & 4)) ||
-             (m->kind == KIND_QT && qt_rb_q5(m->qtype) && (rows8_usable & (m->qtype == QT_R_Q5_K ? 8 : 16)))))
-            wb = 8;
+        if (!twin && wb < 8 && !exact && x->q && rows8_on(m)) wb = 8;
 #endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
             // blocks end on multiples of 8 rows (wherever n0 starts), so the 8-row kernels' blocks after the
@@ -686,7 +688,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
         // the rest on the 8-row kernels in the same arithmetic (eo), bitwise the twin's and 1.05x faster at
         // batch 1 on the Sapphire Rapids Xeon (step_ab.py --setting rows8); ss_set_rows8(0): the twin
-        if (n0 < n1 && (rows8_usable & (m->kind == KIND_Q4 ? 1 : 2))) {
+        if (n0 < n1 && rows8_on(m)) {
             if (m->kind == KIND_Q4) q4i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
             else q8i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
         } else if (n0 < n1 && m->kind == KIND_Q4)
@@ -1440,10 +1442,15 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
                (float *)malloc(sizeof(float) * B * G), (int8_t *)malloc((size_t)B * K), (float *)malloc(sizeof(float) * B * 4 * G),
                NULL};
     for (int b = 0; b < B; b++) prepare(&a, b, K, 0, K, exact);
-    int N = 0, q6 = 0;
-    for (const SSMat *p = m; p; p = p->next) N += p->n, q6 |= p->kind == KIND_QT && p->qtype == QT_R_Q6_K;   // a chain's rows, all parts
+    int N = 0, q6 = 0;   // a chain's rows, all parts; whether one runs the 8-row Q6_K kernel (which reads a.h)
+    for (const SSMat *p = m; p; p = p->next) {
+        N += p->n;
 #if defined(SS_AVX2)
-    if (q6 && !exact && (rows8_usable & 4) && (a.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16)))) qt_code_sums16(a.q, K, B, a.h);
+        q6 |= p->kind == KIND_QT && p->qtype == QT_R_Q6_K && rows8_on(p);
+#endif
+    }
+#if defined(SS_AVX2)
+    if (q6 && !exact && (a.h = malloc(sizeof(int16_t) * (size_t)B * (K / 16)))) qt_code_sums16(a.q, K, B, a.h);
 #else
     (void)q6;
 #endif
