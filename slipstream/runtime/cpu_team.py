@@ -71,6 +71,35 @@ def _unhandled(c: Any) -> str | None:
     return None
 
 
+# weights stored as floats (GGUF's F16 and BF16 kept as the file has them; dense fp32 has fmt None): no integer codes
+_FLOAT_FORMATS = (1, 30)
+
+
+def code_share(model: Any) -> float:
+    """The share of a prompt row's multiply-adds (its layers' products, as `tile_share`) whose weights are
+    integer codes (every quantized type), which the fast path multiplies with integer dot products; F16/BF16
+    and dense fp32 weights run one row at a time there, where the eager BLAS step tiles them far better."""
+    mats = [p for L in model.layers for lin in L.linears() for p in (lin.parts or (lin,))]
+    total = sum(p.n * p.k for p in mats)
+    coded = sum(p.n * p.k for p in mats if p.packed and p.fmt not in _FLOAT_FORMATS)
+    return coded / total if total else 0.0
+
+
+def long_chunks_native(lib: Any, model: Any) -> bool:
+    """Whether the fast path takes whole prompt chunks (`CpuTeamDecoder.prefill_tokens_long`) on the native step
+    rather than the eager BLAS step, by what this CPU was measured to do faster (docs/BENCHMARKS.md):
+    - AMX machines: where the tiles take nearly all of the products (`tile_share`); the eager step runs the
+      others in bf16 on oneDNN's tiles, faster than the vector kernels;
+    - x86 without AMX (AVX2, AVX-512 VNNI builds): every quantized model (`code_share`): a 512-token chunk
+      of the default model 270 ms native against 670 eagerly in fp32 on the Zen 5 EPYC (350 against 690 for
+      the x86-64-v3 build), 0.63-0.78x for Q3_K_M, IQ4_XS, Q5_0, Q6_K files; an F16 file 2.6x slower native;
+    - elsewhere (NEON, the portable branch): not measured; the eager step."""
+    if lib.ss_amx_active():
+        return tile_share(model) >= CpuTeamDecoder.prefill_tile_share
+    x86 = lib.ss_isa().decode().startswith(("avx2", "avx512"))
+    return x86 and code_share(model) >= CpuTeamDecoder.prefill_tile_share
+
+
 def tile_share(model: Any) -> float:
     """The share of a prompt row's multiply-adds (its layers' products: a prompt chunk computes the LM head for
     its output rows only) whose weights are in the 4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K,
@@ -203,8 +232,8 @@ class CpuTeamDecoder:
         self.model = model
         self.kv = kv
         self.exact = bool(exact)
-        if not self.exact and self.lib.ss_amx_active() and tile_share(model) >= self.prefill_tile_share:
-            self.prefill_tokens = self.prefill_tokens_amx
+        if not self.exact and long_chunks_native(self.lib, model):
+            self.prefill_tokens = self.prefill_tokens_long
         # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
         # exact path row by row alike whatever the batch; the fast path in bf16 where AMX runs it
         bf16 = bool(self.lib.ss_amx_active()) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
@@ -323,8 +352,10 @@ class CpuTeamDecoder:
     # on AMX) is faster. Through `serve` (slipstream bench, 800-token prompts, docs/BENCHMARKS.md): a Q6_K file
     # (share 0) TTFT 2437 -> 831 ms eagerly; a Q4_K_M file (0.86) 1047 -> 814 ms, TPOT 9.4 -> 8.9 ms; a Q4_K_S file
     # (0.96) kept on the step, 802 ms against 880 eagerly; the default model (1.0) too
+    # Off AMX, on x86, whole chunks of quantized models come here too (`long_chunks_native`): the vector kernels
+    # take prompt rows 8 at a time against weight blocks in L1, ~2x the eager fp32 GEMM's speed on the EPYCs
     prefill_tokens = 64
-    prefill_tokens_amx = 512
+    prefill_tokens_long = 512
     prefill_tile_share = 0.9
 
     def _buffers(self, rows: int, out_rows: int) -> _Buffers:

@@ -229,20 +229,24 @@ def test_killing_a_replica_during_load(servers: dict[str, ReplicaServer]):
     outcomes: dict[int, str] = {}
     first_token = threading.Event()
 
+    # answers long enough that the victim still has work in flight when the kill lands (at 64 tokens a fast
+    # CPU, the Zen 5 EPYC, once had them all finished between the health read and the kill)
+    tokens = 384
+
     def work(i: int) -> None:
         c = srv.client()
         msgs = [{"role": "user", "content": f"Request {i}: write a long story about a lighthouse keeper."}]
         try:
             if i % 2:
                 reason = None
-                for ch in c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=64,
+                for ch in c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=tokens,
                                                     temperature=0, stream=True, extra_body={"ignore_eos": True}):
                     first_token.set()
                     if ch.choices and ch.choices[0].finish_reason:
                         reason = ch.choices[0].finish_reason
                 outcomes[i] = f"ok:{reason}" if reason else "no-finish"
             else:
-                r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=64, temperature=0,
+                r = c.chat.completions.create(model="smollm2-135m", messages=msgs, max_tokens=tokens, temperature=0,
                                               extra_body={"ignore_eos": True})
                 outcomes[i] = f"ok:{r.choices[0].finish_reason}"
         except openai.APIError as e:   # an error answer or an SSE error event

@@ -8,6 +8,7 @@ from support import engine
 from test_engine import PROMPTS, SYSTEM, alone, assert_idle, drain, greedy, ids
 
 from slipstream.engine.request import Request
+from slipstream.kernels.cpu import load_library
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -56,13 +57,15 @@ def test_speculation_keeps_separate_steps(llm):
     assert_idle(e)
 
 
-def test_long_prompt_chunks_on_the_native_step_where_amx_multiplies(llm):
-    """On AMX machines the fast path takes whole prompt chunks (up to 512 tokens) on the native step, whose
-    products then run on tiles; elsewhere chunks of more than 64 tokens run eagerly. Either way a
+def test_long_prompt_chunks_on_the_native_step_where_it_is_faster(llm):
+    """On x86 the fast path takes whole prompt chunks (up to 512 tokens) of the default model (Q4_1) on the
+    native step (products on AMX tiles where the CPU has them, else the vector kernels 8 rows at a time);
+    elsewhere chunks of more than 64 tokens run eagerly (`cpu_team.long_chunks_native`). Either way a
     300-token prompt gives the tokens it gives in chunks of 32 (rows are computed alike whatever shares
     their step), and the step keeps logits for its output rows only."""
-    from slipstream.kernels.cpu import load_library
-    amx = bool(load_library().ss_amx_active())
+    from slipstream.runtime.cpu_team import long_chunks_native
+    native = long_chunks_native(load_library(), llm.model)
+    assert native == load_library().ss_isa().decode().startswith(("avx2", "avx512"))   # the default model: Q4_1
     prompt = (ids(llm, PROMPTS[0]) * 40)[:300]
     e = engine(llm, prefill_chunk=512, exact=False)
     seen = []
@@ -72,8 +75,8 @@ def test_long_prompt_chunks_on_the_native_step_where_amx_multiplies(llm):
     e.add_request(r)
     drain(e, [r])
     big = [b for batches in seen for b in batches if sum(end - s for _, s, end in b.chunks) > 64]
-    assert big and all(b.on_runtime == amx for b in big)
-    if amx:
+    assert big and all(b.on_runtime == native for b in big)
+    if native:
         assert e.runtime._bufs.logits.shape[0] <= 8      # not one row of logits per prompt token
     small = engine(llm, prefill_chunk=32, exact=False)
     r2 = Request(prompt, greedy(8, ignore_eos=True))

@@ -6,6 +6,7 @@ of threads in the team or on what else shares the step."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime import cpu_plan
-from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, tile_share
+from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, code_share, tile_share
 from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
@@ -570,27 +571,42 @@ def test_stacked_q4_k_rows_keep_their_compact_scales():
             assert torch.equal(stacked.kq[i], torch.cat([a.kq[i], b.kq[i]]))
 
 
-def test_long_prompt_chunks_come_to_the_step_only_where_tiles_take_most_products():
-    """On AMX machines whole 512-token prompt chunks run on the native step, whose tiles take the 4- and 8-bit
-    layouts; a model of other types (a Q6_K file: re-blocked) keeps 64-token chunks and runs longer ones on the
-    eager BLAS step, faster for it. `tile_share` counts multiply-adds by storage."""
+def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
+    """Whole 512-token prompt chunks run on the native step where it was measured faster than the eager BLAS
+    step: on AMX machines where the tiles take the 4- and 8-bit layouts (a model of other types, a Q6_K file
+    re-blocked, keeps 64-token chunks: the eager step runs it in bf16 on tiles); on x86 without AMX for every
+    model of integer codes (the vector kernels take prompt rows 8 at a time), not for F16 weights (one row
+    at a time there). `tile_share` and `code_share` count multiply-adds by storage."""
     from support import random_blocks
     cfg = shape_config("tiny", hidden_size=256, head_dim=64, intermediate_size=512, num_layers=2)
     rng = np.random.default_rng(8)
     q4k = _q4k_models(cfg, rng)[0]
-    q6k = random_llama(cfg, seed=3)
+
+    def of_type(fmt: int) -> Any:
+        model = random_llama(cfg, seed=3)
+        blocks = lambda w: (np.random.default_rng(w.n).standard_normal((w.n, w.k), dtype=np.float32)  # noqa: E731
+                            .astype(np.float16).view(np.uint8) if fmt == 1 else random_blocks(fmt, w.n, w.k))
+        conv = lambda w: Linear.from_raw(fmt, blocks(w), w.n, w.k)  # noqa: E731
+        model.layers = [dataclasses.replace(L, qkv=conv(L.qkv), o=conv(L.o), gate_up=conv(L.gate_up),
+                                            down=conv(L.down)) for L in model.layers]
+        model.lm_head = conv(model.lm_head)
+        return model
+    q6k, f16 = of_type(14), of_type(1)   # Q6_K, F16
     six = lambda w: Linear.from_raw(14, random_blocks(14, w.n, w.k), w.n, w.k)  # noqa: E731  (Q6_K)
-    q6k.layers = [dataclasses.replace(L, qkv=six(L.qkv), o=six(L.o), gate_up=six(L.gate_up), down=six(L.down))
-                  for L in q6k.layers]
-    q6k.lm_head = six(q6k.lm_head)
     dense = random_llama(cfg, seed=3)
     mixed = _q4k_models(cfg, np.random.default_rng(9))[0]   # Q4_K but for Q6_K down rows, as a Q4_K_M file's
     mixed.layers = [dataclasses.replace(L, down=six(L.down)) for L in mixed.layers]
     q4k.lm_head = six(q4k.lm_head)   # a prompt chunk computes the LM head for its output rows only: not counted
     assert tile_share(q4k) == 1.0 and tile_share(q6k) == 0.0 and tile_share(dense) == 0.0
     assert 0.5 < tile_share(mixed) < CpuTeamDecoder.prefill_tile_share   # down: 1/5 of this model's products
-    amx = bool(load_library().ss_amx_active())
-    for model, native in ((q4k, True), (q6k, False), (mixed, False)):
+    assert code_share(q4k) == code_share(q6k) == code_share(mixed) == 1.0
+    assert code_share(f16) == code_share(dense) == 0.0
+    lib = load_library()
+    amx = bool(lib.ss_amx_active())
+    x86 = lib.ss_isa().decode() in ("avx2", "avx2-vnni", "avx512", "avx512-vnni")
+    for model, tiles_take_it, codes in ((q4k, True, True), (q6k, False, True), (mixed, False, True),
+                                        (f16, False, False)):
         team = CpuTeamDecoder(model, model.new_kv_cache(16))
-        assert team.prefill_tokens == (512 if amx and native else 64)
+        native = tiles_take_it if amx else x86 and codes
+        assert team.prefill_tokens == (512 if native else 64), (model is f16, amx, x86)
         assert CpuTeamDecoder(model, model.new_kv_cache(16), exact=True).prefill_tokens == 64
