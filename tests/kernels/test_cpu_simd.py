@@ -174,7 +174,9 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
     """On AVX-512 VNNI builds the rows the tiles do not take go to the 8-row kernels (simd.h q4i_rows8,
     q8i_rows8) in the tiles' arithmetic (even and odd groups in two sums): bitwise what the twin kernels give
     (ss_set_rows8(0)), for 1 to 8 rows, fp32 and fp16 scales, a bias, 45 weight rows (a block of 16 off its
-    end) and blocks that start off a multiple of 8 (11 rows: chunks of 8 against blocks of weight rows)."""
+    end) and blocks that start off a multiple of 8 (11 rows: chunks of 8 against blocks of weight rows). So the
+    row count from which the twin takes over on CPUs with wide 512-bit vpdpbusd (ss_set_twin_rows) changes
+    no result: forced to 9 (never) for the 8-row kernels, to 1 (always) with them on."""
     base = _random_packed(fmt, 45, k, seed=fmt + 5 * k)
     bias = torch.randn(45, generator=torch.Generator().manual_seed(k))
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(k + 2)) * 2
@@ -182,16 +184,32 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
         sc = base.scale.half() if half else base.scale
         mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
         w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
-        before = lib.ss_rows8()
+        before, from_rows = lib.ss_rows8(), lib.ss_set_twin_rows(0)
         try:
             for rows in (1, 2, 5, 8, 11):
-                assert lib.ss_set_rows8(15) == 15
+                assert lib.ss_set_rows8(15) == 15 and lib.ss_set_twin_rows(9) == 9
                 rows8 = _matmul(w, x[:rows], exact=False)
+                lib.ss_set_twin_rows(1)
+                by_threshold = _matmul(w, x[:rows], exact=False)
                 lib.ss_set_rows8(0)
                 twin = _matmul(w, x[:rows], exact=False)
-                assert torch.equal(rows8, twin), (half, rows)
+                assert torch.equal(rows8, twin) and torch.equal(by_threshold, twin), (half, rows)
         finally:
             lib.ss_set_rows8(before)
+            lib.ss_set_twin_rows(from_rows)
+
+
+@pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
+def test_twin_rows_come_from_the_cpu_or_the_environment():
+    """The row count from which the 512-bit twin takes the q4/q8 products is measured at load (2 where 512-bit
+    vpdpbusd runs at the 256-bit one's instruction rate, else 9: never) and SLIPSTREAM_TWIN_ROWS sets it."""
+    import subprocess
+    import sys
+    assert lib.ss_set_twin_rows(0) in (2, 9)
+    code = "from slipstream.kernels.cpu import load_library; print(load_library().ss_set_twin_rows(0))"
+    env = {**os.environ, "SLIPSTREAM_TWIN_ROWS": "5"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "5"
 
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")

@@ -25,6 +25,7 @@
 // planes where the loader made one (tile_scales).
 #pragma once
 #include <stdlib.h>
+#include <time.h>
 
 #include "simd.h"
 
@@ -37,6 +38,54 @@ static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX
 __attribute__((constructor)) static void twin_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN");
     if (env && env[0] == '0') twin_usable = 0;
+}
+
+// Whether this core runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per
+// cycle: Zen 5's full-width vector units), or at half of it (one 512-bit port against two 256-bit ones on
+// Sapphire Rapids, double-pumped halves on Zen 4). Timed once at load: 8 independent chains of each width,
+// best of 5 alternating passes (~0.3 ms in all); wide when the 512-bit pass takes under 1.4x the 256-bit one.
+// Only speed depends on it: the twin and the 8-row kernels give the same bits (below).
+// 16 independent chains (more than latency x ports on the CPUs above), 1024 rounds: ~16k instructions a pass
+#define VNNI_PASS(NAME, T, SET1, DP)                                                                       \
+    __attribute__((noinline)) static uint64_t NAME(void) {                                             \
+        struct timespec t0, t1;                                                                        \
+        T acc[16];                                                                                     \
+        const T a = SET1##epi8(3), b = SET1##epi8(5);                                                  \
+        for (int i = 0; i < 16; i++) acc[i] = SET1##epi32(i);                                          \
+        clock_gettime(CLOCK_MONOTONIC, &t0);                                                           \
+        for (int it = 0; it < 1024; it++) {                                                            \
+            for (int i = 0; i < 16; i++) acc[i] = DP(acc[i], a, b);                                    \
+            __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), \
+                             "+v"(acc[5]), "+v"(acc[6]), "+v"(acc[7]));                                \
+            __asm__ volatile("" : "+v"(acc[8]), "+v"(acc[9]), "+v"(acc[10]), "+v"(acc[11]),            \
+                             "+v"(acc[12]), "+v"(acc[13]), "+v"(acc[14]), "+v"(acc[15]));              \
+        }                                                                                              \
+        clock_gettime(CLOCK_MONOTONIC, &t1);                                                           \
+        return (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(t1.tv_nsec - t0.tv_nsec);   \
+    }
+VNNI_PASS(vnni_pass_256, __m256i, _mm256_set1_, _mm256_dpbusd_epi32)
+VNNI_PASS(vnni_pass_512, __m512i, _mm512_set1_, _mm512_dpbusd_epi32)
+#undef VNNI_PASS
+
+static int vnni_is_wide(void) {
+    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    for (int r = 0; r < 5; r++)
+        for (int w = 0; w < 2; w++) {
+            const uint64_t t = w ? vnni_pass_512() : vnni_pass_256();
+            if (t < best[w]) best[w] = t;
+        }
+    return best[1] * 10 < best[0] * 14;
+}
+
+// Activation rows from which the fast path's q4/q8 products run on the 512-bit twin instead of the 8-row
+// kernels (same bits): 2 where vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
+// 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else never (9: the
+// 8-row kernels; on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
+// SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
+static int twin_from_rows = -1;
+__attribute__((constructor)) static void twin_rows_default(void) {
+    const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
+    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : MAX_ROWS + 1;
 }
 
 // activation rows from which the tiles beat the twin (batch steps in process, step_ab.py --setting amx: q4

@@ -204,6 +204,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_tile_planes": [],
         "ss_set_twin": [i32],
         "ss_set_rows8": [i32],
+        "ss_set_twin_rows": [i32],
         "ss_rows8": [],
         "ss_set_wait_prefetch": [i32],
         "ss_set_attn_prefetch": [i32],
@@ -223,6 +224,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_tile_planes.restype = i32
     lib.ss_set_twin.restype = i32
     lib.ss_set_rows8.restype = i32
+    lib.ss_set_twin_rows.restype = i32
     lib.ss_rows8.restype = i32
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p

@@ -555,6 +555,19 @@ int ss_set_rows8(int on) {
 #endif
 }
 
+// Activation rows from which the fast path's q4/q8 products take the 512-bit twin rather than the 8-row kernels on
+// AVX-512 VNNI builds (amx.h twin_from_rows: the same bits, only speed differs): n >= 1 sets it, 0 only reads it;
+// returns the resulting value (0 on builds without the twin)
+int ss_set_twin_rows(int n) {
+#ifdef SS_TWIN
+    if (n > 0) twin_from_rows = n;
+    return twin_from_rows;
+#else
+    (void)n;
+    return 0;
+#endif
+}
+
 // Which tile-ordered copies of the scales the loader keeps (weights/quant.py): 1 where the fast path's q4/q8
 // products read them (amx.h's twin, and the tiles; Q4_K's compact copy too), 2 likewise for the AVX2 products 8
 // rows at a time (q4i_rows, q8i_rows: tests tell the kernels apart by it), 0 none
@@ -688,7 +701,8 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
         // the rest on the 8-row kernels in the same arithmetic (eo), bitwise the twin's and 1.05x faster at
         // batch 1 on the Sapphire Rapids Xeon (step_ab.py --setting rows8); ss_set_rows8(0): the twin
-        if (n0 < n1 && rows8_on(m)) {
+        // on CPUs with wide 512-bit vpdpbusd the twin is faster from 2 rows on (twin_from_rows)
+        if (n0 < n1 && rows8_on(m) && B < twin_from_rows) {
             if (m->kind == KIND_Q4) q4i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
             else q8i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
         } else if (n0 < n1 && m->kind == KIND_Q4)
