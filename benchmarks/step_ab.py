@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prompt chunk of this many tokens (after --context) instead of a decode step")
-    settings = ["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin", "rows8", "twin-rows"]
+    settings = ["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin", "rows8", "twin-rows", "twin16"]
     ap.add_argument("--setting", choices=settings, default="prefetch",
                     help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
@@ -44,7 +44,8 @@ def main() -> None:
                          "weight rows at a time or one (ss_set_rows8: bit 0 q4, bit 1 q8, bit 2 Q6_K, bit 3 Q5_K, "
                          "bit 4 Q5_0 and Q5_1 (off by default)), or from how many activation rows the AVX-512 VNNI "
                          "builds' q4/q8 products take the 512-bit twin instead of the 8-row kernels "
-                         "(ss_set_twin_rows: 9 never)")
+                         "(ss_set_twin_rows: 9 never), or whether that twin has lanes = weight rows (ss_set_twin16: 0 "
+                         "the reducing twin, 1)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()
@@ -82,13 +83,14 @@ def main() -> None:
             if v is not None:
                 {"prefetch": lib.ss_set_prefetch, "wait-prefetch": lib.ss_set_wait_prefetch,
                  "attn-prefetch": lib.ss_set_attn_prefetch, "amx": lib.ss_set_amx, "twin": lib.ss_set_twin,
-                 "rows8": lib.ss_set_rows8, "twin-rows": lib.ss_set_twin_rows}[args.setting](v)
+                 "rows8": lib.ss_set_rows8, "twin-rows": lib.ss_set_twin_rows,
+                 "twin16": lib.ss_set_twin16}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
-        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows")
+        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows", "twin16")
         label = "default" if v is None else f"{args.setting} {v}" + ("" if unitless else " B")
         print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
               f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")

@@ -176,7 +176,8 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
     (ss_set_rows8(0)), for 1 to 8 rows, fp32 and fp16 scales, a bias, 45 weight rows (a block of 16 off its
     end) and blocks that start off a multiple of 8 (11 rows: chunks of 8 against blocks of weight rows). So the
     row count from which the twin takes over on CPUs with wide 512-bit vpdpbusd (ss_set_twin_rows) changes
-    no result: forced to 9 (never) for the 8-row kernels, to 1 (always) with them on."""
+    no result: forced to 9 (never) for the 8-row kernels, to 1 (always) with them on; nor does the twin's kind
+    (lanes = weight rows from the start, twin16_rows_*, or partial sums reduced across lanes, ss_set_twin16(0))."""
     base = _random_packed(fmt, 45, k, seed=fmt + 5 * k)
     bias = torch.randn(45, generator=torch.Generator().manual_seed(k))
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(k + 2)) * 2
@@ -193,10 +194,15 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
                 by_threshold = _matmul(w, x[:rows], exact=False)
                 lib.ss_set_rows8(0)
                 twin = _matmul(w, x[:rows], exact=False)
+                assert lib.ss_set_twin16(0) == 0
+                reducing = _matmul(w, x[:rows], exact=False)
+                lib.ss_set_twin16(1)
                 assert torch.equal(rows8, twin) and torch.equal(by_threshold, twin), (half, rows)
+                assert torch.equal(reducing, twin), (half, rows)
         finally:
             lib.ss_set_rows8(before)
             lib.ss_set_twin_rows(from_rows)
+            lib.ss_set_twin16(1)
 
 
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")

@@ -83,9 +83,14 @@ static int vnni_is_wide(void) {
 // 8-row kernels; on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
 static int twin_from_rows = -1;
+// whether those rows take the twin with lanes = weight rows (twin16_rows_*, the default) or the reducing one
+// (twin_rows_*): ss_set_twin16, SLIPSTREAM_TWIN16=0 at load (A/B; the same bits)
+static int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
     twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : MAX_ROWS + 1;
+    const char *t16 = getenv("SLIPSTREAM_TWIN16");
+    if (t16 && t16[0] == '0') twin16_usable = 0;
 }
 
 // activation rows from which the tiles beat the twin (batch steps in process, step_ab.py --setting amx: q4
@@ -617,6 +622,119 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
             _mm512_mask_storeu_ps(yo, keep, v);
         }
     }
+}
+
+// The twin with lanes = weight rows from the start (the same arithmetic, bitwise): per group, 16 weight rows'
+// codes are transposed in registers so that 32-bit lane r holds 4 codes of row r (q4: bytes 4j..4j+3 of the
+// group, i.e. codes 4j..4j+3 in the low nibbles and 16+4j.. in the high ones), and each vpdpbusd takes
+// one activation row's 4 matching codes as a broadcast: a group's exact sums come out for 16 rows at once,
+// with no reduction across lanes. The transposes cost the same whatever the activation row count and are
+// shared by all of them, so this kernel pays from 2 rows on (twin_from_rows), where the reducing twin above
+// spends more on reductions than on products.
+// q4 codes of rows n + r + 4L (L = 0..3, the 128-bit lanes) for group g -> w[j], lane 4L + r = bytes 4j..4j+3
+AI void twin16_codes(const uint8_t *const rows[16], int64_t at, int bytes16, __m512i w[8]) {
+    for (int h = 0; h < bytes16; h++) {   // q4: one 16-byte run per row; q8: two
+        __m512i a[4];
+        for (int r = 0; r < 4; r++) {
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[r] + at + 16 * h)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 4] + at + 16 * h)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 8] + at + 16 * h)), 2);
+            a[r] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(rows[r + 12] + at + 16 * h)), 3);
+        }
+        const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+        w[4 * h + 0] = _mm512_unpacklo_epi64(t0, t2), w[4 * h + 1] = _mm512_unpackhi_epi64(t0, t2);
+        w[4 * h + 2] = _mm512_unpacklo_epi64(t1, t3), w[4 * h + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+}
+
+// a thread's per-call activation code sums (q8: sum of a group's 32 codes, [nb][G])
+static __thread void *twin16_buf;
+static __thread int64_t twin16_cap;
+
+AI void twin16_rows_of(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                       const int q4, int K, int64_t n0, int64_t n1, const int8_t *xq, const float *xd,
+                       const float *xs, int nb, const float *bias, float *y, int ystride, int accumulate, int pf,
+                       int64_t n_all) {
+    const int G = K / 32, C = (G + 3) / 4;
+    const int64_t row_bytes = q4 ? K / 2 : K;
+    int32_t *isum = NULL;
+    if (!q4) {   // q8: codes + 128 as unsigned bytes, less 128 x the activation group's code sum
+        isum = (int32_t *)amx_scratch(&twin16_buf, &twin16_cap, (int64_t)nb * G * 4);
+        const __m256i ones = _mm256_set1_epi8(1);
+        for (int m = 0; m < nb; m++)
+            for (int g = 0; g < G; g++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + (int64_t)m * K + 32 * g));
+                const __m256i s8 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, v);
+                isum[m * G + g] = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(s8));
+            }
+    }
+    const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8((char)0x80);
+    _Alignas(64) float sw[4][16], mw[4][16];
+    for (int64_t n = n0; n < n1; n += 16) {
+        const int live = n1 - n < 16 ? (int)(n1 - n) : 16;
+        const __mmask16 keep = (__mmask16)((1u << live) - 1);
+        const uint8_t *rows[16];
+        for (int r = 0; r < 16; r++) rows[r] = (const uint8_t *)wq + (n + (r < live ? r : 0)) * row_bytes;
+        __m512 acc[2][MAX_ROWS];   // the even groups' sums, the odd groups'
+        for (int m = 0; m < nb; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+        for (int c = 0; c < C; c++) {
+            const int g4 = 4 * c, ng = G - g4 < 4 ? G - g4 : 4;
+            if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all)
+                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, g4, 0, 16);
+            tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
+            for (int i = 0; i < ng; i++) {
+                const int g = g4 + i;
+                __m512i w[8];
+                twin16_codes(rows, (int64_t)g * (q4 ? 16 : 32), q4 ? 1 : 2, w);
+                if (q4) {
+                    for (int j = 3; j >= 0; j--)
+                        w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(w[j], 4), m4), w[j] = _mm512_and_si512(w[j], m4);
+                } else {
+                    for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(w[j], flip);
+                }
+                const __m512 scv = _mm512_load_ps(sw[i]), mnv = _mm512_load_ps(mw[i]);
+                SS_UNROLL_ROWS
+                for (int m = 0; m < nb; m++) {
+                    const int8_t *x = xq + (int64_t)m * K + 32 * g;
+                    __m512i s32 = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; j++) {   // q4: w[j] against codes 4j.., w[4 + j] against 16 + 4j..
+                        int32_t lo, hi;
+                        memcpy(&lo, x + 4 * j, 4), memcpy(&hi, x + 16 + 4 * j, 4);
+                        s32 = _mm512_dpbusd_epi32(s32, w[j], _mm512_set1_epi32(lo));
+                        s32 = _mm512_dpbusd_epi32(s32, w[4 + j], _mm512_set1_epi32(hi));
+                    }
+                    if (!q4) s32 = _mm512_sub_epi32(s32, _mm512_set1_epi32(128 * isum[m * G + g]));
+                    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(xd[(int64_t)m * G + g]));
+                    __m512 *am = &acc[g & 1][m];
+                    *am = _mm512_fmadd_ps(v, scv, *am);
+                    if (q4) *am = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(int64_t)m * G + g]), *am);
+                }
+            }
+        }
+        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+        for (int m = 0; m < nb; m++) {
+            float *yo = y + (int64_t)m * ystride + n;
+            __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), b16);
+            if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
+            _mm512_mask_storeu_ps(yo, keep, v);
+        }
+    }
+}
+
+__attribute__((noinline)) static void twin16_rows_q4(const void *wq, const void *sc, const void *mn, const void *st,
+                                                     const void *mt, int half, int K, int64_t n0, int64_t n1,
+                                                     const int8_t *xq, const float *xd, const float *xs, int nb,
+                                                     const float *bias, float *y, int ystride, int accumulate,
+                                                     int pf, int64_t n_all) {
+    twin16_rows_of(wq, sc, mn, st, mt, half, 1, K, n0, n1, xq, xd, xs, nb, bias, y, ystride, accumulate, pf, n_all);
+}
+__attribute__((noinline)) static void twin16_rows_q8(const void *wq, const void *sc, const void *st, int half, int K,
+                                                     int64_t n0, int64_t n1, const int8_t *xq, const float *xd,
+                                                     int nb, const float *bias, float *y, int ystride,
+                                                     int accumulate, int pf, int64_t n_all) {
+    twin16_rows_of(wq, sc, NULL, st, NULL, half, 0, K, n0, n1, xq, xd, NULL, nb, bias, y, ystride, accumulate, pf,
+                   n_all);
 }
 
 __attribute__((noinline)) static void twin_rows_q4(const void *wq, const void *sc, const void *mn, const void *st,

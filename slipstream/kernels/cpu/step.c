@@ -568,6 +568,18 @@ int ss_set_twin_rows(int n) {
 #endif
 }
 
+// Whether the twin's rows (amx.h) take the kernel with lanes = weight rows (1, the default) or the reducing one (0), for
+// A/B measurements (the same bits); returns the resulting state (0 on builds without the twin)
+int ss_set_twin16(int on) {
+#ifdef SS_TWIN
+    twin16_usable = on != 0;
+    return twin16_usable;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
 // Which tile-ordered copies of the scales the loader keeps (weights/quant.py): 1 where the fast path's q4/q8
 // products read them (amx.h's twin, and the tiles; Q4_K's compact copy too), 2 likewise for the AVX2 products 8
 // rows at a time (q4i_rows, q8i_rows: tests tell the kernels apart by it), 0 none
@@ -705,7 +717,13 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         if (n0 < n1 && rows8_on(m) && B < twin_from_rows) {
             if (m->kind == KIND_Q4) q4i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
             else q8i_rows(m, n0, n1, B, x, y, ystride, accumulate, half, pf_rows, 1);
-        } else if (n0 < n1 && m->kind == KIND_Q4)
+        } else if (n0 < n1 && twin16_usable && m->kind == KIND_Q4)
+            twin16_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, tmode, K, n0, n1, x->q, x->d, x->s, B, m->bias,
+                           y, ystride, accumulate, pf_bytes > 0, m->n);
+        else if (n0 < n1 && twin16_usable)
+            twin16_rows_q8(m->q, m->scale, m->scale_t, half, K, n0, n1, x->q, x->d, B, m->bias, y, ystride, accumulate,
+                           pf_bytes > 0, m->n);
+        else if (n0 < n1 && m->kind == KIND_Q4)
             twin_rows_q4(m->q, m->scale, m->min, m->scale_t, m->min_t, tmode, K, n0, n1, x->q, x->d, x->s, B, m->bias, y,
                          ystride, accumulate, pf_bytes > 0, m->n);
         else if (n0 < n1)
