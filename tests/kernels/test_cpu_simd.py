@@ -185,7 +185,7 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
         sc = base.scale.half() if half else base.scale
         mn = None if base.min is None or (half and fmt == Q4_0) else base.min.to(sc.dtype)
         w = Linear(base.n, k, base.data, fmt, sc.contiguous(), None if mn is None else mn.contiguous(), bias)
-        before, from_rows = lib.ss_rows8(), lib.ss_set_twin_rows(0)
+        before, from_rows, kind = lib.ss_rows8(), lib.ss_set_twin_rows(0), lib.ss_set_twin16(-1)
         try:
             for rows in (1, 2, 5, 8, 11):
                 assert lib.ss_set_rows8(15) == 15 and lib.ss_set_twin_rows(9) == 9
@@ -202,7 +202,7 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
         finally:
             lib.ss_set_rows8(before)
             lib.ss_set_twin_rows(from_rows)
-            lib.ss_set_twin16(1)
+            lib.ss_set_twin16(kind)
 
 
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")

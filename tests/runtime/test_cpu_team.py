@@ -610,3 +610,35 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
         native = tiles_take_it if amx else x86 and codes
         assert team.prefill_tokens == (512 if native else 64), (model is f16, amx, x86)
         assert CpuTeamDecoder(model, model.new_kv_cache(16), exact=True).prefill_tokens == 64
+
+
+def test_a_long_chunk_of_a_wide_ffn_runs_on_the_step():
+    """A 512-token prompt chunk of a model with an 8192-wide FFN on a 2-thread team: each gate/up task holds its rows'
+    outputs (512 x 4096 columns x 2, 16 MB) in a per-thread buffer, not on the stack, where they overflowed a
+    thread's 8 MB and killed the process. The fast path's last row is bitwise what chunks of 64 give (rows are
+    computed alike whatever shares their step); the exact path matches the eager step."""
+    from slipstream.step import prefill_step as build
+    cfg = shape_config("tiny", hidden_size=256, head_dim=64, intermediate_size=8192, num_layers=1)
+    model = random_llama(cfg, seed=3)
+    gen = torch.Generator().manual_seed(0)
+
+    def q8(w: Linear) -> Linear:
+        return Linear(w.n, w.k, torch.randint(-127, 128, (w.n, w.k), generator=gen, dtype=torch.int8), Q8_0,
+                      (torch.rand(w.n, w.k // 32, generator=gen) * 2e-4).contiguous())
+    model.layers = [dataclasses.replace(L, qkv=q8(L.qkv), o=q8(L.o), gate_up=q8(L.gate_up), down=q8(L.down))
+                    for L in model.layers]
+    tokens = [(7 * i) % 250 + 1 for i in range(512)]
+
+    def native(exact: bool, chunk: int) -> torch.Tensor:
+        kv = model.new_kv_cache(600)
+        team = CpuTeamDecoder(model, kv, exact=exact, threads=2)
+        seq = SequenceKV(kv)
+        seq.reserve(520)
+        for s in range(0, len(tokens), chunk):
+            out = team.forward(build(seq, tokens[s:s + chunk], s, gather=True))
+        return out[-1]
+    whole = native(False, 512)
+    assert torch.isfinite(whole).all() and torch.equal(whole, native(False, 64))
+    kv = model.new_kv_cache(600)
+    want = model.forward(prefill_step(SequenceKV(kv), tokens), kv)[-1]
+    torch.testing.assert_close(native(True, 512), want, rtol=2e-4, atol=2e-4 * want.abs().max().item())

@@ -570,9 +570,9 @@ int ss_set_twin_rows(int n) {
 
 // Whether the twin's rows (amx.h) take the kernel with lanes = weight rows (1, the default) or the reducing one (0), for
 // A/B measurements (the same bits); returns the resulting state (0 on builds without the twin)
-int ss_set_twin16(int on) {
+int ss_set_twin16(int on) {   // on < 0: only read the state
 #ifdef SS_TWIN
-    twin16_usable = on != 0;
+    if (on >= 0) twin16_usable = on != 0;
     return twin16_usable;
 #else
     (void)on;
@@ -1005,6 +1005,18 @@ static void moe_route(const SSModel *m, const SSStep *s, const SSMoe *e, int exa
     }
 }
 
+// a thread's gate/up outputs of an OP_GATE_UP task (floats), grown on demand and never shrunk; NULL if out of memory
+static __thread float *gu_buf;
+static __thread size_t gu_cap;
+static float *gu_scratch(size_t floats) {
+    if (floats > gu_cap) {
+        free(gu_buf);
+        gu_buf = (float *)malloc(sizeof(float) * floats);
+        gu_cap = gu_buf ? floats : 0;
+    }
+    return gu_buf;
+}
+
 // columns [c0, c1) of a GLU: out rows = act(x W_gate^T) * (x W_up^T) over B rows of x, quantized for the next product
 static void glu_cols(const SSModel *m, const SSMat *gu, int F, int c0, int c1, int B, const SSAct *x, SSAct *out,
                      int exact) {
@@ -1183,14 +1195,24 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     }
     case OP_GATE_UP: {
         const int F = m->ffn, w = t->t1 - t->t0;
-        float *g = (float *)alloca(sizeof(float) * (size_t)B * w * 2), *u = g + (size_t)B * w;
-        mat_rows(&L->gate_up, t->t0, t->t1, B, &s->h, g - t->t0, w, 0, exact);
-        mat_rows(&L->gate_up, F + t->t0, F + t->t1, B, &s->h, u - F - t->t0, w, 0, exact);
-        for (int b = 0; b < B; b++) {
-            float *a = s->act.f + (int64_t)b * F;
-            if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + t->t0);
-            else ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
-            prepare(&s->act, b, F, t->t0, t->t1, exact);
+        // B rows x this task's gate and up columns: a 512-token chunk of an 8192-wide FFN on 2 threads is 16 MB, past
+        // a thread's stack (it was alloca'd: a segfault), so a per-thread buffer, grown on demand and kept; without
+        // memory for it, passes of 8 rows on the stack (the same results: rows are computed alike in any pass)
+        float *g = gu_scratch((size_t)B * w * 2);
+        const int rb = g ? B : B < MAX_ROWS ? B : MAX_ROWS;
+        if (!g) g = (float *)alloca(sizeof(float) * (size_t)rb * w * 2);
+        float *u = g + (size_t)rb * w;
+        for (int b0 = 0; b0 < B; b0 += rb) {
+            const int nb = B - b0 < rb ? B - b0 : rb;
+            const SSAct xb = act_rows(&s->h, b0, hid);
+            mat_rows(&L->gate_up, t->t0, t->t1, nb, &xb, g - t->t0, w, 0, exact);
+            mat_rows(&L->gate_up, F + t->t0, F + t->t1, nb, &xb, u - F - t->t0, w, 0, exact);
+            for (int b = 0; b < nb; b++) {
+                float *a = s->act.f + (int64_t)(b0 + b) * F;
+                if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + t->t0);
+                else ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
+                prepare(&s->act, b0 + b, F, t->t0, t->t1, exact);
+            }
         }
         break;
     }
