@@ -75,13 +75,27 @@ def _unhandled(c: Any) -> str | None:
 _FLOAT_FORMATS = (1, 30)
 
 
+def _row_parts(model: Any) -> list[tuple[Any, float]]:
+    """Every stored part of a prompt row's layer products with its multiply-adds per row: n x k, and for a routed
+    expert n x k x top-k / experts (a row runs its top-k experts only). A prompt chunk computes the LM head for its
+    output rows only: not counted."""
+    out = []
+    for L in model.layers:
+        routed = {id(w) for w in (*getattr(L, "experts_gate_up", ()), *getattr(L, "experts_down", ()))}
+        share = model.cfg.num_experts_per_tok / model.cfg.num_experts if routed else 1.0
+        for lin in L.linears():
+            f = share if id(lin) in routed else 1.0
+            out += [(p, p.n * p.k * f) for p in (lin.parts or (lin,))]
+    return out
+
+
 def code_share(model: Any) -> float:
-    """The share of a prompt row's multiply-adds (its layers' products, as `tile_share`) whose weights are
+    """The share of a prompt row's multiply-adds (its layers' products, `_row_parts`) whose weights are
     integer codes (every quantized type), which the fast path multiplies with integer dot products; F16/BF16
     and dense fp32 weights run one row at a time there, where the eager BLAS step tiles them far better."""
-    mats = [p for L in model.layers for lin in L.linears() for p in (lin.parts or (lin,))]
-    total = sum(p.n * p.k for p in mats)
-    coded = sum(p.n * p.k for p in mats if p.packed and p.fmt not in _FLOAT_FORMATS)
+    parts = _row_parts(model)
+    total = sum(macs for _, macs in parts)
+    coded = sum(macs for p, macs in parts if p.packed and p.fmt not in _FLOAT_FORMATS)
     return coded / total if total else 0.0
 
 
@@ -105,9 +119,9 @@ def tile_share(model: Any) -> float:
     its output rows only) whose weights are in the 4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K,
     Q8_0). The other types (Q5_K, Q6_K, ... kept as re-blocked or raw GGUF blocks) run the vector kernels 8
     prompt rows at a time."""
-    mats = [p for L in model.layers for lin in L.linears() for p in (lin.parts or (lin,))]
-    total = sum(p.n * p.k for p in mats)
-    tiled = sum(p.n * p.k for p in mats if p.packed and not p.blocks)
+    parts = _row_parts(model)
+    total = sum(macs for _, macs in parts)
+    tiled = sum(macs for p, macs in parts if p.packed and not p.blocks)
     return tiled / total if total else 0.0
 
 

@@ -6,7 +6,7 @@ of threads in the team or on what else shares the step."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -642,3 +642,30 @@ def test_a_long_chunk_of_a_wide_ffn_runs_on_the_step():
     kv = model.new_kv_cache(600)
     want = model.forward(prefill_step(SequenceKV(kv), tokens), kv)[-1]
     torch.testing.assert_close(native(True, 512), want, rtol=2e-4, atol=2e-4 * want.abs().max().item())
+
+
+def test_routed_experts_count_by_the_rows_that_run_them():
+    """`code_share` and `tile_share` weigh a routed expert's multiply-adds by top-k / experts: a prompt row runs its
+    top-k experts only. A MoE layer of F16 attention and 8 quantized experts (top 2) is then mostly F16 per row
+    (0.86 coded, under the 0.9 that sends long chunks to the native step), though the experts hold most bytes."""
+    from types import SimpleNamespace
+    gen = torch.Generator().manual_seed(0)
+
+    def q8(n: int, k: int) -> Linear:
+        return Linear(n, k, torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), Q8_0,
+                      (torch.rand(n, k // 32, generator=gen) * 1e-3).contiguous())
+
+    def f16(n: int, k: int) -> Linear:
+        return Linear.from_raw(1, torch.randn(n, k, generator=gen).half().view(torch.uint8).numpy(), n, k)
+    gate_up, down = [q8(512, 256) for _ in range(8)], [q8(256, 256) for _ in range(8)]
+
+    def model(attn: Callable[[int, int], Linear]) -> Any:
+        qkv, o = attn(256, 256), attn(256, 256)
+        layer = SimpleNamespace(linears=lambda: [qkv, o, *gate_up, *down], experts_gate_up=gate_up, experts_down=down)
+        return SimpleNamespace(layers=[layer], cfg=SimpleNamespace(num_experts=8, num_experts_per_tok=2))
+    per_row = 2 * (512 + 256) * 256   # two experts' gate/up and down
+    half = model(f16)
+    assert code_share(half) == pytest.approx(per_row / (per_row + 2 * 256 * 256))
+    assert code_share(half) < CpuTeamDecoder.prefill_tile_share < 8 * (512 + 256) / (8 * (512 + 256) + 2 * 256)
+    assert tile_share(half) == code_share(half)   # Q8_0 experts: the tiles' layout
+    assert code_share(model(q8)) == tile_share(model(q8)) == 1.0
