@@ -42,10 +42,10 @@ __attribute__((constructor)) static void twin_default(void) {
 
 // Whether this core runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per
 // cycle: Zen 5's full-width vector units), or at half of it (one 512-bit port against two 256-bit ones on
-// Sapphire Rapids, double-pumped halves on Zen 4). Timed once at load: 8 independent chains of each width,
-// best of 5 alternating passes (~0.3 ms in all); wide when the 512-bit pass takes under 1.4x the 256-bit one.
+// Sapphire Rapids, double-pumped halves on Zen 4). Timed once at load: 16 independent chains of each width
+// (more than latency x ports on the CPUs above), 1024 rounds (~16k instructions a pass), best of 5 alternating
+// passes (~0.3 ms in all); wide when the 512-bit pass takes under 1.4x the 256-bit one (Zen 5 EPYC: 1.11x).
 // Only speed depends on it: the twin and the 8-row kernels give the same bits (below).
-// 16 independent chains (more than latency x ports on the CPUs above), 1024 rounds: ~16k instructions a pass
 #define VNNI_PASS(NAME, T, SET1, DP)                                                                       \
     __attribute__((noinline)) static uint64_t NAME(void) {                                             \
         struct timespec t0, t1;                                                                        \
