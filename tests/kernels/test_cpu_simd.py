@@ -207,11 +207,16 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
 
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
 def test_twin_rows_come_from_the_cpu_or_the_environment():
-    """The row count from which the 512-bit twin takes the q4/q8 products is measured at load (2 where 512-bit
-    vpdpbusd runs at the 256-bit one's instruction rate, else 9: never) and SLIPSTREAM_TWIN_ROWS sets it."""
+    """The row count from which the 512-bit twin takes the q4/q8 products comes from the CPU (2 on AMD family 26,
+    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; else 9: never) unless
+    SLIPSTREAM_TWIN_ROWS sets it."""
     import subprocess
     import sys
-    assert lib.ss_set_twin_rows(0) in (2, 9)
+    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    wide = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 26
+    if "SLIPSTREAM_TWIN_ROWS" not in os.environ:
+        assert lib.ss_set_twin_rows(0) == (2 if wide else 9)
     code = "from slipstream.kernels.cpu import load_library; print(load_library().ss_set_twin_rows(0))"
     env = {**os.environ, "SLIPSTREAM_TWIN_ROWS": "5"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -24,8 +24,8 @@
 // element j (low nibble) and j + 16 (high nibble)); the scales are read from a tile-ordered copy of their
 // planes where the loader made one (tile_scales).
 #pragma once
+#include <cpuid.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "simd.h"
 
@@ -40,45 +40,24 @@ __attribute__((constructor)) static void twin_default(void) {
     if (env && env[0] == '0') twin_usable = 0;
 }
 
-// Whether this core runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per
-// cycle: Zen 5's full-width vector units), or at half of it (one 512-bit port against two 256-bit ones on
-// Sapphire Rapids, double-pumped halves on Zen 4). Timed once at load: 16 independent chains of each width
-// (more than latency x ports on the CPUs above), 1024 rounds (~16k instructions a pass), best of 5 alternating
-// passes (~0.3 ms in all); wide when the 512-bit pass takes under 1.4x the 256-bit one (Zen 5 EPYC: 1.11x).
+// Whether this CPU runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per cycle:
+// Zen 5's full-width vector units) rather than at half of it (one 512-bit port against two 256-bit ones on Sapphire
+// Rapids, double-pumped halves on Zen 4): AMD family 0x1A (Zen 5) and later, by CPUID. A timing probe at load (16
+// independent chains of each width, best of 5) was tried first: in fresh processes on the Zen 5 EPYC it read
+// 1.08-2.73x for the 512-bit pass while the host's other tenants shared the cores' vector units, and so chose the
+// slow path in up to 3 starts of 4; the CPU's identity does not change with the neighbours.
 // Only speed depends on it: the twin and the 8-row kernels give the same bits (below).
-#define VNNI_PASS(NAME, T, SET1, DP)                                                                       \
-    __attribute__((noinline)) static uint64_t NAME(void) {                                             \
-        struct timespec t0, t1;                                                                        \
-        T acc[16];                                                                                     \
-        const T a = SET1##epi8(3), b = SET1##epi8(5);                                                  \
-        for (int i = 0; i < 16; i++) acc[i] = SET1##epi32(i);                                          \
-        clock_gettime(CLOCK_MONOTONIC, &t0);                                                           \
-        for (int it = 0; it < 1024; it++) {                                                            \
-            for (int i = 0; i < 16; i++) acc[i] = DP(acc[i], a, b);                                    \
-            __asm__ volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), \
-                             "+v"(acc[5]), "+v"(acc[6]), "+v"(acc[7]));                                \
-            __asm__ volatile("" : "+v"(acc[8]), "+v"(acc[9]), "+v"(acc[10]), "+v"(acc[11]),            \
-                             "+v"(acc[12]), "+v"(acc[13]), "+v"(acc[14]), "+v"(acc[15]));              \
-        }                                                                                              \
-        clock_gettime(CLOCK_MONOTONIC, &t1);                                                           \
-        return (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(t1.tv_nsec - t0.tv_nsec);   \
-    }
-VNNI_PASS(vnni_pass_256, __m256i, _mm256_set1_, _mm256_dpbusd_epi32)
-VNNI_PASS(vnni_pass_512, __m512i, _mm512_set1_, _mm512_dpbusd_epi32)
-#undef VNNI_PASS
-
 static int vnni_is_wide(void) {
-    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
-    for (int r = 0; r < 5; r++)
-        for (int w = 0; w < 2; w++) {
-            const uint64_t t = w ? vnni_pass_512() : vnni_pass_256();
-            if (t < best[w]) best[w] = t;
-        }
-    return best[1] * 10 < best[0] * 14;
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+    return amd && family >= 0x1a;
 }
 
 // Activation rows from which the fast path's q4/q8 products run on the 512-bit twin instead of the 8-row
-// kernels (same bits): 2 where vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
+// kernels (same bits): 2 where 512-bit vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
 // 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else never (9: the
 // 8-row kernels; on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
