@@ -24,7 +24,6 @@
 // element j (low nibble) and j + 16 (high nibble)); the scales are read from a tile-ordered copy of their
 // planes where the loader made one (tile_scales).
 #pragma once
-#include <cpuid.h>
 #include <stdlib.h>
 
 #include "simd.h"
@@ -33,6 +32,7 @@
 // the tiles. On an AVX-512 VNNI machine without AMX every fast q4/q8 product runs on the twin.
 #if defined(SS_AVX512) && defined(__AVX512VNNI__)
 #define SS_TWIN 1
+#include <cpuid.h>   // x86 only: here, not above (Arm builds include this file too)
 
 static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX2 builds' kernels instead
 __attribute__((constructor)) static void twin_default(void) {
