@@ -518,6 +518,26 @@ AI __m512i twin_reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
 }
 
+// The twins' shared arithmetic: one group's exact sums s32 (lanes = 16 weight rows) into the sum of its parity,
+//     acc = fma(float(s32) * d, sc, acc);  acc = fma(mn, s, acc)   (q4)
+AI void twin_scale(__m512 *acc, __m512i s32, float d, __m512 sc, __m512 mn, float s, int q4) {
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(d));
+    *acc = _mm512_fmadd_ps(v, sc, *acc);
+    if (q4) *acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(s), *acc);
+}
+
+// and their outputs: y[m * ystride + n + r] (=|+=) acc[0][m] + acc[1][m] (+ bias) for the block's `keep` lanes
+AI void twin_store(__m512 acc[2][MAX_ROWS], int nb, const float *bias, int64_t n, __mmask16 keep, float *y,
+                   int ystride, int accumulate) {
+    const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < nb; m++) {
+        float *yo = y + (int64_t)m * ystride + n;
+        __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), b16);
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
+        _mm512_mask_storeu_ps(yo, keep, v);
+    }
+}
+
 // rows [n0, n1) (any count), nb <= 8 activation rows: y[m * ystride + n] (=|+=) W[n] . X[m] (+ bias[n])
 AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
                      const int q4, int K, int64_t n0,
@@ -586,20 +606,13 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
                     const int g = g4 + i;
                     __m512i s32 = sums[i];
                     if (!q4) s32 = _mm512_sub_epi32(s32, _mm512_set1_epi32(128 * t.isum[(int64_t)m * 4 * C + g]));
-                    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(xd[(int64_t)m * G_ + g]));
-                    __m512 *am = &acc[i & 1][m];   // g4 is a multiple of 4: g's parity is i's
-                    *am = _mm512_fmadd_ps(v, _mm512_load_ps(sw[i]), *am);
-                    if (q4) *am = _mm512_fmadd_ps(_mm512_load_ps(mw[i]), _mm512_set1_ps(xs[(int64_t)m * G_ + g]), *am);
+                    // g4 is a multiple of 4: g's parity is i's
+                    twin_scale(&acc[i & 1][m], s32, xd[(int64_t)m * G_ + g], _mm512_load_ps(sw[i]),
+                               _mm512_load_ps(mw[i]), q4 ? xs[(int64_t)m * G_ + g] : 0.f, q4);
                 }
             }
         }
-        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < nb; m++) {
-            float *yo = y + (int64_t)m * ystride + n;
-            __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), b16);
-            if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
-            _mm512_mask_storeu_ps(yo, keep, v);
-        }
+        twin_store(acc, nb, bias, n, keep, y, ystride, accumulate);
     }
 }
 
@@ -684,20 +697,12 @@ AI void twin16_rows_of(const void *wq, const void *sc, const void *mn, const voi
                         s32 = _mm512_dpbusd_epi32(s32, w[4 + j], _mm512_set1_epi32(hi));
                     }
                     if (!q4) s32 = _mm512_sub_epi32(s32, _mm512_set1_epi32(128 * isum[m * G + g]));
-                    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(xd[(int64_t)m * G + g]));
-                    __m512 *am = &acc[g & 1][m];
-                    *am = _mm512_fmadd_ps(v, scv, *am);
-                    if (q4) *am = _mm512_fmadd_ps(mnv, _mm512_set1_ps(xs[(int64_t)m * G + g]), *am);
+                    twin_scale(&acc[g & 1][m], s32, xd[(int64_t)m * G + g], scv, mnv, q4 ? xs[(int64_t)m * G + g] : 0.f,
+                               q4);
                 }
             }
         }
-        const __m512 b16 = bias ? _mm512_maskz_loadu_ps(keep, bias + n) : _mm512_setzero_ps();
-        for (int m = 0; m < nb; m++) {
-            float *yo = y + (int64_t)m * ystride + n;
-            __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][m], acc[1][m]), b16);
-            if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, yo), v);
-            _mm512_mask_storeu_ps(yo, keep, v);
-        }
+        twin_store(acc, nb, bias, n, keep, y, ystride, accumulate);
     }
 }
 
