@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from typing import Any, Sequence
 
 from slipstream.errors import SlipstreamError
@@ -471,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # a user reads a warning, not the line of our source that raised it
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"warning: {message}\n"
     try:
         if args.command == "bench":
             from slipstream.bench.cli import run as run_bench

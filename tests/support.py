@@ -46,8 +46,10 @@ def engine(llm, **kw):
 # byte offsets of each ggml block type's fp16 scale fields, and the largest |code x sub-scale| a
 # random block can hold (to choose scales that give weights of a wanted size)
 _F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 20: (0,), 10: (80, 82), 11: (108,),
-               12: (0, 2), 13: (0, 2), 14: (208,), 23: (0,)}
-_CODE_RANGE = {2: 8, 3: 15, 6: 16, 7: 31, 8: 127, 20: 127, 10: 45, 11: 128, 12: 945, 13: 1953, 14: 4064, 23: 4064}
+               12: (0, 2), 13: (0, 2), 14: (208,), 23: (0,),
+               16: (0,), 17: (0,), 22: (0,), 18: (0,), 21: (0,), 19: (0,), 34: (52,), 35: (64,)}   # IQ1-3, TQ
+_CODE_RANGE = {2: 8, 3: 15, 6: 16, 7: 31, 8: 127, 20: 127, 10: 45, 11: 128, 12: 945, 13: 1953, 14: 4064, 23: 4064,
+               16: 167, 17: 167, 22: 167, 18: 481, 21: 481, 19: 17, 34: 1, 35: 2, 29: 17, 39: 6}
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
@@ -59,6 +61,17 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
     rng = np.random.default_rng(seed)
     qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
     b = rng.integers(0, 256, size=(n, k // qk, bb), dtype=np.uint8)
+    if qtype == 39:   # MXFP4: one power-of-two exponent byte per block (e8m0), codes up to 12 x 2^(e - 128)
+        b[..., 0] = rng.integers(-2, 1, size=(n, k // qk)) + int(np.floor(np.log2((size or 1e-2) / 12))) + 128
+        return b.reshape(n, -1)
+    if qtype == 29:   # IQ1_M: the block's fp16 scale is the top nibbles of its four 16-bit sub-scale words
+        d = (rng.uniform(0.5, 1.0, size=(n, k // qk)) * (size or 1e-2) / _CODE_RANGE[qtype]).astype(np.float16)
+        bits = d.view(np.uint16).astype(np.uint16)
+        words = b[..., 48:56].copy().view(np.uint16) & np.uint16(0x0FFF)
+        for j in range(4):
+            words[..., j] |= ((bits >> np.uint16(4 * j)) & np.uint16(15)) << np.uint16(12)
+        b[..., 48:56] = words.view(np.uint8)
+        return b.reshape(n, -1)
     for i, off in enumerate(_F16_FIELDS[qtype]):
         if size:
             d = rng.uniform(0.5, 1.0, size=(n, k // qk)) * size / _CODE_RANGE[qtype]

@@ -195,7 +195,7 @@ def bad_inputs(tmp_path_factory, llm) -> dict[str, tuple[list[str], list[str]]]:
     embd = {"token_embd.weight": (np.zeros((32, 256), np.float32), None)}
     arch = _write_gguf(root / "gpt2.gguf", "gpt2", embd)
     cases["unsupported_arch"] = ([str(arch)], ["architecture", "gpt2"])
-    for q in ("TQ1_0", "IQ2_XXS"):   # types llama.cpp has and Slipstream does not read
+    for q in ("Q8_1", "Q8_K"):   # ggml's activation types: no file stores weights in them, no reader here
         f = _write_gguf(root / f"{q}.gguf", "llama", _tiny_llama_tensors(q))
         cases[f"unsupported_quant_{q}"] = ([str(f)], [q, "blk.0.ffn_down.weight"])
     text = root / "notes.gguf"
@@ -252,7 +252,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, expected: list[str
 
 
 BAD = ["missing_file", "not_a_gguf", "truncated_gguf", "unsupported_arch",
-       "unsupported_quant_TQ1_0", "unsupported_quant_IQ2_XXS",
+       "unsupported_quant_Q8_1", "unsupported_quant_Q8_K",
        "missing_shard", "prompt_too_long", "bad_temperature", "bad_top_p"]
 
 
@@ -264,10 +264,39 @@ def test_generate_bad_input(case, bad_inputs):
     _assert_one_line_error(run_cli("generate", *args, "--max-tokens", "4"), expected)
 
 
-@pytest.mark.parametrize("case", ["missing_file", "unsupported_quant_TQ1_0", "bad_temperature"])
+@pytest.mark.parametrize("case", ["missing_file", "unsupported_quant_Q8_K", "bad_temperature"])
 def test_chat_bad_input(case, bad_inputs):
     args, expected = bad_inputs[case]
     _assert_one_line_error(run_cli("chat", *args, stdin="Hello\n/exit\n"), expected)
+
+
+def test_a_file_of_types_no_kernel_reads_runs_with_one_warning(tmp_path):
+    """IQ2_XXS and TQ1_0 weights (no kernel reads them) are re-encoded at load; the user is told so once."""
+    gguf = pytest.importorskip("gguf")
+    from support import gguf_tokenizer, random_blocks
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
+    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=256,
+                           head_count=4, head_count_kv=4, vocab_size=96).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    gguf_tokenizer(w)
+    w.add_tensor("token_embd.weight", (rng.standard_normal((96, 256)) * 0.1).astype(np.float32))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate"):
+        w.add_tensor(f"blk.0.{name}.weight", (rng.standard_normal((256, 256)) * 0.06).astype(np.float32))
+    for name, qt in (("ffn_up", gguf.GGMLQuantizationType.IQ2_XXS), ("ffn_down", gguf.GGMLQuantizationType.TQ1_0)):
+        w.add_tensor(f"blk.0.{name}.weight", random_blocks(int(qt), 256, 256, size=0.1), raw_dtype=qt)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(f"{name}.weight", np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    proc = run_cli("generate", str(tmp_path / "iq.gguf"), "-p", "Hello", "--max-tokens", "4", "--ignore-eos", "--json")
+    assert len(_json(proc)["token_ids"]) == 4
+    warned = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(warned) == 1 and warned[0].startswith("warning:"), proc.stderr
+    assert "IQ2_XXS, TQ1_0" in warned[0] and "Q8_0" in warned[0] and "Traceback" not in proc.stderr
 
 
 def test_hf_folder_control(bad_inputs):
