@@ -246,6 +246,7 @@ class CpuTeamDecoder:
         self.model = model
         self.kv = kv
         self.exact = bool(exact)
+        self._vocab = int(model.embed.n)   # the embedding's rows: the native lookup trusts its token ids
         if not self.exact and long_chunks_native(self.lib, model):
             self.prefill_tokens = self.prefill_tokens_long
         # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
@@ -477,6 +478,8 @@ class CpuTeamDecoder:
             return out.tolist() if tokens_only else out
         if min(rows.positions) < 0:
             raise ValueError("negative positions")
+        if min(rows.token_ids) < 0 or max(rows.token_ids) >= self._vocab:
+            raise ValueError(f"a token id outside the vocabulary [0, {self._vocab})")
         st = self._buffers(B, B)
         rope, local = self._rope, self._rope_local
         rope.cover(max(rows.positions) + 1)
@@ -519,6 +522,8 @@ class CpuTeamDecoder:
         st = self._buffers(B, n_out)
         m = self.model
         tokens = step.token_ids.to(torch.int64).contiguous()
+        if B and (int(tokens.min()) < 0 or int(tokens.max()) >= self._vocab):
+            raise ValueError(f"a token id outside the vocabulary [0, {self._vocab})")
         if m.longrope is not None:   # Phi-3: each sequence's factors (short or long), scaled; first halves
             cos_t, sin_t = m.longrope.tables(step)
             half = cos_t.shape[-1] // 2

@@ -457,6 +457,13 @@ def test_rows_given_as_lists_are_the_same_step(local_rope, f16, exact):
         team.forward_rows(decode_rows([runs[0]], [1], [-1]))
     with pytest.raises(ValueError):
         team.forward_rows(decode_rows([], [], []))
+    vocab = model.embed.n   # the native lookup reads row `id` of the table: ids outside it are refused
+    for bad in (vocab, -1, 10 ** 9):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            team.forward_rows(decode_rows([runs[0], runs[2]], [5, bad], [len(prompts[0]), len(prompts[2])]))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            team.forward(decode_rows([runs[0]], [bad], [len(prompts[0])]).step())
+    assert torch.equal(team.forward_rows(lists), want)   # and the team still runs
 
 
 @pytest.mark.parametrize("rotary", [2, 16, 20, 64, 96, 128])
