@@ -1017,20 +1017,29 @@ static float *gu_scratch(size_t floats) {
     return gu_buf;
 }
 
-// columns [c0, c1) of a GLU: out rows = act(x W_gate^T) * (x W_up^T) over B rows of x, quantized for the next product
+// columns [c0, c1) of a GLU: out rows = act(x W_gate^T) * (x W_up^T) over B rows of x (K = hidden wide), quantized
+// for the next product. The B rows' gate and up columns (a 512-token chunk of an 8192-wide FFN on 2 threads is
+// 16 MB, past a thread's stack: alloca'd it was a segfault) go to a per-thread buffer, grown on demand and kept;
+// without memory for it, passes of 8 rows on the stack (the same results: rows are computed alike in any pass)
 static void glu_cols(const SSModel *m, const SSMat *gu, int F, int c0, int c1, int B, const SSAct *x, SSAct *out,
                      int exact) {
     const int w = c1 - c0;
-    float *g = (float *)malloc(sizeof(float) * (size_t)B * w * 2), *u = g + (size_t)B * w;
-    mat_rows(gu, c0, c1, B, x, g - c0, w, 0, exact);
-    mat_rows(gu, F + c0, F + c1, B, x, u - F - c0, w, 0, exact);
-    for (int b = 0; b < B; b++) {
-        float *a = out->f + (int64_t)b * F;
-        if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + c0);
-        else ss_silu_mul(g + b * w, u + b * w, w, a + c0);
-        prepare(out, b, F, c0, c1, exact);
+    float *g = gu_scratch((size_t)B * w * 2);
+    const int rb = g ? B : B < MAX_ROWS ? B : MAX_ROWS;
+    if (!g) g = (float *)alloca(sizeof(float) * (size_t)rb * w * 2);
+    float *u = g + (size_t)rb * w;
+    for (int b0 = 0; b0 < B; b0 += rb) {
+        const int nb = B - b0 < rb ? B - b0 : rb;
+        const SSAct xb = act_rows(x, b0, m->hidden);
+        mat_rows(gu, c0, c1, nb, &xb, g - c0, w, 0, exact);
+        mat_rows(gu, F + c0, F + c1, nb, &xb, u - F - c0, w, 0, exact);
+        for (int b = 0; b < nb; b++) {
+            float *a = out->f + (int64_t)(b0 + b) * F;
+            if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + c0);
+            else ss_silu_mul(g + b * w, u + b * w, w, a + c0);
+            prepare(out, b0 + b, F, c0, c1, exact);
+        }
     }
-    free(g);
 }
 
 // hidden rows [n0, n1): x += sum over the active experts (ascending) of weight * down_e(eact), then the shared
@@ -1193,29 +1202,9 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
         }
         break;
     }
-    case OP_GATE_UP: {
-        const int F = m->ffn, w = t->t1 - t->t0;
-        // B rows x this task's gate and up columns: a 512-token chunk of an 8192-wide FFN on 2 threads is 16 MB, past
-        // a thread's stack (it was alloca'd: a segfault), so a per-thread buffer, grown on demand and kept; without
-        // memory for it, passes of 8 rows on the stack (the same results: rows are computed alike in any pass)
-        float *g = gu_scratch((size_t)B * w * 2);
-        const int rb = g ? B : B < MAX_ROWS ? B : MAX_ROWS;
-        if (!g) g = (float *)alloca(sizeof(float) * (size_t)rb * w * 2);
-        float *u = g + (size_t)rb * w;
-        for (int b0 = 0; b0 < B; b0 += rb) {
-            const int nb = B - b0 < rb ? B - b0 : rb;
-            const SSAct xb = act_rows(&s->h, b0, hid);
-            mat_rows(&L->gate_up, t->t0, t->t1, nb, &xb, g - t->t0, w, 0, exact);
-            mat_rows(&L->gate_up, F + t->t0, F + t->t1, nb, &xb, u - F - t->t0, w, 0, exact);
-            for (int b = 0; b < nb; b++) {
-                float *a = s->act.f + (int64_t)(b0 + b) * F;
-                if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + t->t0);
-                else ss_silu_mul(g + b * w, u + b * w, w, a + t->t0);
-                prepare(&s->act, b0 + b, F, t->t0, t->t1, exact);
-            }
-        }
+    case OP_GATE_UP:
+        glu_cols(m, &L->gate_up, m->ffn, t->t0, t->t1, B, &s->h, (SSAct *)&s->act, exact);   // s: its buffers written
         break;
-    }
     case OP_DOWN:
         if (L->post_ffn_norm) mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->tmp, hid, 0, exact);
         else mat_rows(&L->down, t->t0, t->t1, B, &s->act, s->x, hid, 1, exact);
