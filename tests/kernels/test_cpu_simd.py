@@ -292,17 +292,18 @@ def test_rows8_are_the_same_alone_and_batched(fmt: int, k: int):
 
 
 QT_ROWS8 = lib is not None and lib.ss_tile_planes() > 0   # x86 builds with AVX2: Q6_K, Q5 8 rows at a time
-# ggml type -> (its ss_set_rows8 bit, shapes): Q5_0 and Q5_1 only on request (bit 4); K = 576 leaves a last pair of
-# groups after the fours (G % 4 == 2), K = 64 nothing but that pair
+# ggml type -> (its ss_set_rows8 bit, shapes): Q5_0 and Q5_1 by default on AVX-512 builds only (bit 4), IQ4_NL and
+# IQ4_XS bit 5; K = 576 leaves a last pair of groups after the fours (G % 4 == 2), K = 64 nothing but that pair
 QT_ROWS8_CASES = {14: (4, [(45, 256), (19, 768), (19, 2816)]), 13: (8, [(45, 256), (21, 768)]),
-                  6: (16, [(45, 576), (37, 256), (20, 64)]), 7: (16, [(45, 576), (19, 1536)])}
+                  6: (16, [(45, 576), (37, 256), (20, 64)]), 7: (16, [(45, 576), (19, 1536)]),
+                  20: (32, [(45, 576), (37, 256), (20, 64)]), 23: (32, [(45, 256), (19, 1536)])}
 
 
 @pytest.mark.skipif(not QT_ROWS8, reason="no 8-row Q6_K and Q5 kernels in this build (x86 with AVX2 only)")
 @pytest.mark.parametrize("qtype", list(QT_ROWS8_CASES))
 def test_qtype_rows8_alone_batched_and_against_the_one_row_kernels(qtype: int):
-    """Q6_K, Q5_K (and on request Q5_0, Q5_1) rows, re-blocked at load, on 8 weight rows at a time (qtypes.h
-    qt_rb6_rows8, qt_rb5_rows8) for every activation row count: a row's result is bitwise the same alone, beside 7
+    """Q6_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS rows, re-blocked at load, on 8 weight rows at a time (qtypes.h
+    qt_rb6_rows8, qt_rb5_rows8, qt_rbnl_rows8) for every activation row count: a row's result is bitwise the same alone, beside 7
     others and in an 11-row batch (a chunk of 8 and one of 3), over a last block of 3 to 5 weight rows; it is what
     the one-row kernels give (ss_set_rows8 without the type's bit) up to the fp32 order of the group sums, and close
     to the exact path."""

@@ -978,6 +978,110 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 
+// IQ4_NL and IQ4_XS (re-blocked) over 8 weight rows at once, as qt_rb5_rows8: four groups at a time (the nibble
+// plane's two pairs; a last pair when G % 4 == 2, IQ4_NL only), the 4-bit indices transposed to lanes = weight
+// rows and looked up (one byte shuffle per 32 codes, shared by the activation rows). The looked-up values
+// k (-127..113) are signed; the two products:
+//   VNNI (vpdpbusd sums u8 x s8 in int32, no int16 step): k + 128 as the unsigned operand, the 128 taken off as
+//     an offset, -128 s x the activation's group sums xs (as Q5_0's -16 d);
+//   AVX2 (maddubs, whose int16 pairs would overflow at 241 x 127): |k| x the activation with k's sign, a madd per
+//     dword, no offset.
+// Per (weight row n, activation row m), in group order: acc = fma(float(sum) * xd[m][g], s[n][g], acc) (and the
+// offset's fma on VNNI); s = d (IQ4_NL) or d x (ls - 32) (IQ4_XS), the planes' very values. Either way the
+// group's integer sum is exact; the fp32 order is one for every activation row count.
+AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_t *xq, const float *xd,
+                      const float *xs, int nb, const char *pf, int64_t pf_group, __m256 out[MAX_ROWS]) {
+    const int G = K / 32, G4 = G & ~3;
+    __m256 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+#ifdef SS_VNNI
+    const __m256i lut = _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80));   // k + 128, unsigned
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 s4[4];
+    __m256i H0 = _mm256_setzero_si256(), H1 = _mm256_setzero_si256();   // IQ4_XS: the 8 rows' super-block headers
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = g0 < G4 ? 4 : G - g0;   // 4, or the last pair
+        if (t == QT_R_IQ4_XS) {   // G % 8 == 0: always four groups; the header of groups 8s..8s+7 at 16 G + 8 s
+            if (!(g0 & 7)) {
+                int32_t a[8], c[8];
+                for (int r = 0; r < 8; r++) {
+                    const uint8_t *h = w[r] + 16 * (int64_t)G + (g0 / 8) * 8;
+                    memcpy(&a[r], h, 4), memcpy(&c[r], h + 4, 4);
+                }
+                H0 = _mm256_loadu_si256((const __m256i *)a), H1 = _mm256_loadu_si256((const __m256i *)c);
+            }
+            const __m256 d = qt8_f16_lanes(H0);
+            const __m256i f4 = _mm256_set1_epi32(15), f2 = _mm256_set1_epi32(3);
+            for (int e = 0; e < 4; e++) {   // ls = scales_l nibble i | (scales_h bits 2i, 2i + 1) << 4
+                const int i = (g0 & 7) + e;
+                const __m256i ls = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(H1, 4 * i), f4),
+                                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(H0, 16 + 2 * i), f2), 4));
+                s4[e] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+            }
+        } else if (ng == 4) {
+            qt8_half4(w, 16 * (int64_t)G + 2 * (int64_t)g0, s4);
+        } else if (G >= 4) {   // the last pair: the last four groups' scales, the pair before this one's among them
+            __m256 v[4];
+            qt8_half4(w, 16 * (int64_t)G + 2 * (int64_t)(G - 4), v);
+            s4[0] = v[2], s4[1] = v[3];
+        } else {
+            for (int e = 0; e < 2; e++) {
+                float sv[8];
+                for (int r = 0; r < 8; r++) sv[r] = qt_f16(w[r] + 16 * (int64_t)G + 2 * (g0 + e));
+                s4[e] = _mm256_loadu_ps(sv);
+            }
+        }
+        for (int e = 0; e < ng; e++) {
+            const int g = g0 + e;
+            if (pf)   // the lines that start in this group's share of the block: each line once
+                for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
+            // the group's codes in registers (nibble e & 1 of its pair's bytes), lanes = rows
+            __m256i L[8], c[8];
+            rows8_t16(w, 16 * (int64_t)(g & ~1), L), rows8_t16(w, 16 * (int64_t)(g & ~1) + 16, L + 4);
+            for (int jj = 0; jj < 8; jj++)
+                c[jj] = _mm256_and_si256((e & 1) ? _mm256_srli_epi16(L[jj], 4) : L[jj], m4);
+#ifdef SS_VNNI
+            for (int jj = 0; jj < 8; jj++) c[jj] = _mm256_shuffle_epi8(lut, c[jj]);
+            const __m256 o4 = _mm256_mul_ps(s4[e], _mm256_set1_ps(-128.f));
+#else
+            __m256i a[8];
+            for (int jj = 0; jj < 8; jj++) c[jj] = _mm256_shuffle_epi8(kv, c[jj]), a[jj] = _mm256_abs_epi8(c[jj]);
+#endif
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                __m256i x[8];
+                rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
+#ifdef SS_VNNI
+                const __m256i z = _mm256_setzero_si256();
+                const __m256i e0 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
+                const __m256i e1 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, c[4], x[4]), c[5], x[5]), c[6], x[6]), c[7], x[7]);
+                const __m256i sum = _mm256_add_epi32(e0, e1);
+#else
+                __m256i p2[2];
+                for (int hq = 0; hq < 2; hq++) {   // a madd per dword: |k| x 127 twice fills an int16
+                    __m256i d4[4];
+                    for (int jj = 0; jj < 4; jj++) {
+                        const int j = 4 * hq + jj;
+                        d4[jj] = _mm256_madd_epi16(_mm256_maddubs_epi16(a[j], _mm256_sign_epi8(x[j], c[j])), ones);
+                    }
+                    p2[hq] = _mm256_add_epi32(_mm256_add_epi32(d4[0], d4[1]), _mm256_add_epi32(d4[2], d4[3]));
+                }
+                const __m256i sum = _mm256_add_epi32(p2[0], p2[1]);
+#endif
+                const __m256 tq = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+                acc[b] = _mm256_fmadd_ps(tq, s4[e], acc[b]);
+#ifdef SS_VNNI
+                acc[b] = _mm256_fmadd_ps(o4, _mm256_broadcast_ss(xs + (int64_t)b * G + g), acc[b]);
+#endif
+            }
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
+
 // xh[b][s]: the sum of activation row b's 16 codes of sub-block s (qt_rb6_rows8's offset term)
 AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
     for (int b = 0; b < nb; b++)

@@ -202,11 +202,22 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #else
 #define F16C_BUILD 0
 #endif
-// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's, bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's; a
-// kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B). Bit 4 is off by default:
-// Q5_0 and Q5_1 rows on 8 at a time measured 1.04-1.10x slower at batch 1 (their decoding costs what the 8-row
-// kernels save there) though 0.70-0.77x at batch 8 (docs/BENCHMARKS.md, 2026-11-29)
-static int rows8_usable = SS_ROWS8 ? 15 : 0;
+// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's, bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's, bit 5
+// IQ4_NL's and IQ4_XS's; a kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B).
+// Batch 1 comes first, so a bit is on by default only where its 8-row kernel costs nothing there (step_ab.py on
+// the re-quantized default model; docs/BENCHMARKS.md, 2026-11-29 and 2026-12-01):
+//   bit 4 (Q5_0, Q5_1) on AVX-512 builds: batch 1 0.96-1.00x, batch 8 0.74x; AVX2 builds (16 vector registers for
+//     the fifth bits' decoding) 1.04-1.12x slower at batch 1 though 0.70-0.82x at batch 8;
+//   bit 5 (IQ4_NL, IQ4_XS) on VNNI builds (AVX-512 VNNI, AVX-VNNI): batch 1 0.92-1.06x, batch 8 0.73-0.76x; plain
+//     AVX2 (maddubs: the signed codes' sign trick and a madd per dword) 1.09-1.11x slower at batch 1, 0.90-0.93x at 8.
+#if defined(SS_AVX512)
+#define SS_ROWS8_DEFAULT 63
+#elif defined(SS_VNNI)
+#define SS_ROWS8_DEFAULT 47
+#else
+#define SS_ROWS8_DEFAULT 15
+#endif
+static int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
 __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] == '0') rows8_usable = 0;
@@ -214,7 +225,8 @@ __attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_R
 // whether m's products run on the 8-row kernels now: its kind's ss_set_rows8 bit is on
 static inline int rows8_on(const SSMat *m) {
     const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
-                  : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16 : 0;
+                  : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
+                  : m->qtype == QT_R_IQ4_NL || m->qtype == QT_R_IQ4_XS ? 32 : 0;
     return (rows8_usable & bit) != 0;
 }
 
@@ -443,7 +455,8 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
     }
 }
 
-// Rows [n0, n1) of a re-blocked Q5_0, Q5_1 or Q5_K matrix on the fast path, 8 weight rows at a time (qt_rb5_rows8)
+// Rows [n0, n1) of a re-blocked Q5_0, Q5_1, Q5_K, IQ4_NL or IQ4_XS matrix on the fast path, 8 weight rows at a time
+// (qt_rb5_rows8, qt_rbnl_rows8)
 __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
     const int K = m->k, t = m->qtype;
@@ -457,7 +470,9 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
 #define Q5I(NB)                                                                                       \
         if (t == QT_R_Q5_0) qt_rb5_rows8(QT_R_Q5_0, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);  \
         else if (t == QT_R_Q5_1) qt_rb5_rows8(QT_R_Q5_1, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else qt_rb5_rows8(QT_R_Q5_K, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
+        else if (t == QT_R_Q5_K) qt_rb5_rows8(QT_R_Q5_K, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
+        else if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
+        else qt_rbnl_rows8(QT_R_IQ4_XS, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
         SS_BY_ROWS(nb, Q5I)
 #undef Q5I
         rows8_store(m, out, nb, n, live, y, ystride, accumulate);
@@ -490,7 +505,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out))
 #define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
-    if (qt_rb_q5(m->qtype) && rows8_on(m)) {
+    if ((qt_rb_q5(m->qtype) || m->qtype == QT_R_IQ4_NL || m->qtype == QT_R_IQ4_XS) && rows8_on(m)) {
         q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
         return 1;
     }
@@ -547,7 +562,7 @@ int ss_rows8(void) {   // the current ss_set_rows8 state, read only (tests resto
 
 int ss_set_rows8(int on) {
 #if defined(SS_AVX2)
-    rows8_usable = SS_ROWS8 ? on & 31 : 0;
+    rows8_usable = SS_ROWS8 ? on & 63 : 0;
     return rows8_usable;
 #else
     (void)on;
