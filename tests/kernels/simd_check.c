@@ -367,6 +367,75 @@ static int check_q5_rows8(void) {
 #endif
 }
 
+// qtypes.h's 8-weight-rows IQ4_NL and IQ4_XS products (x86 AVX2 builds) against a plain loop over their defined
+// arithmetic, bit for bit: per (weight row, activation row) each group's exact integer sum, then in group order
+// acc = fma(float(sum) * xd, s, acc); on VNNI builds the sum is of (k + 128) x and acc = fma(-128 s, xs, acc)
+// follows, on AVX2 it is of k x (k the looked-up code); G % 4 of 0 and 2 (IQ4_NL: a last pair, and G = 2),
+// every row count 1-8, an all-zero activation row
+static int check_iq4_rows8(void) {
+#if defined(SS_AVX2)
+    enum { KMAX = 768 };
+    static uint8_t src[8][18 * (KMAX / 32)], rb[8][18 * (KMAX / 32)];   // IQ4_NL: 18 bytes per 32 (IQ4_XS 17)
+    static int8_t xq[MAX_ROWS * KMAX], code[8][KMAX];
+    static float xd[MAX_ROWS * KMAX / 32], xs[MAX_ROWS * KMAX / 32], x[KMAX], sc[8][KMAX / 32], mn[8][KMAX / 32];
+    const int types[2][2] = {{QT_IQ4_NL, QT_R_IQ4_NL}, {QT_IQ4_XS, QT_R_IQ4_XS}};
+#ifdef SS_VNNI
+    const int off = 128;
+#else
+    const int off = 0;
+#endif
+    int ok = 1;
+    for (int ti = 0; ti < 2; ti++) {
+        const int tg = types[ti][0], t = types[ti][1], BB = qt_bytes(tg), QK = qt_block(tg);
+        for (int ki = 0; ki < 3; ki++) {
+            const int K = tg == QT_IQ4_XS ? 256 * (ki + 1) : ki == 0 ? 64 : ki == 1 ? 576 : 768, G = K / 32;
+            for (int r = 0; r < 8; r++) {
+                for (int i = 0; i < BB * (K / QK); i++) src[r][i] = (uint8_t)irand(0, 255);
+                for (int b = 0; b < K / QK; b++) {   // a sane fp16 d
+                    const uint16_t h0 = (uint16_t)(0x1800 + irand(0, 0x0FFF) + (irand(0, 1) << 15));
+                    memcpy(&src[r][BB * b], &h0, 2);
+                }
+                qt_rb_pack_row(tg, src[r], K, rb[r]);
+                qt_rb_unpack_row(t, rb[r], K, code[r], sc[r], mn[r]);
+            }
+            for (int m = 0; m < MAX_ROWS; m++) {
+                for (int i = 0; i < K; i++) x[i] = frand() * (m == 3 ? 0.f : 2.f);
+                ss_quantize_row(x, K, xq + m * K, xd + m * G, xs + m * G);
+            }
+            const uint8_t *p[8];
+            for (int r = 0; r < 8; r++) p[r] = rb[r];
+            for (int nb = 1; nb <= MAX_ROWS; nb++) {
+                __m256 out[MAX_ROWS];
+#define RNL(NB) do { if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, p, K, xq, xd, xs, NB, NULL, 0, out); \
+                     else qt_rbnl_rows8(QT_R_IQ4_XS, p, K, xq, xd, xs, NB, NULL, 0, out); } while (0)
+                SS_BY_ROWS(nb, RNL)
+#undef RNL
+                for (int m = 0; m < nb; m++) {
+                    float got[8];
+                    _mm256_storeu_ps(got, out[m]);
+                    for (int r = 0; r < 8; r++) {
+                        float acc = 0.f;
+                        for (int g = 0; g < G; g++) {
+                            int sum = 0;
+                            for (int j = 0; j < 32; j++) sum += (code[r][32 * g + j] + off) * xq[m * K + 32 * g + j];
+                            acc = fmaf((float)sum * xd[m * G + g], sc[r][g], acc);
+                            if (off) acc = fmaf(sc[r][g] * -128.f, xs[m * G + g], acc);
+                        }
+                        if (got[r] != acc) {
+                            printf("iq4 rows8 type %d K %d nb %d row %d act %d: %.9g want %.9g\n", t, K, nb, r, m, got[r], acc);
+                            ok = 0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return ok;
+#else
+    return 1;
+#endif
+}
+
 // the fast q4 product at widths that exercise every step of the AVX2 kernel (8-group chunks, a pair
 // after them, an odd last group), at 1-8 rows, with fp32 scales and (AVX2 + F16C) fp16 ones
 static int check_q4_widths(void) {
@@ -538,6 +607,7 @@ int main(void) {
     ok &= check_rows8();
     ok &= check_q6_rows8();
     ok &= check_q5_rows8();
+    ok &= check_iq4_rows8();
     ok &= check_q4_widths();
     ok &= check_exp();
     ok &= check_argmax();
