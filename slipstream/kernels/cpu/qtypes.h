@@ -1035,13 +1035,14 @@ AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_
                 s4[e] = _mm256_loadu_ps(sv);
             }
         }
+        __m256i L[8];   // the current pair's code bytes, lanes = rows (transposed once for both groups)
         for (int e = 0; e < ng; e++) {
             const int g = g0 + e;
             if (pf)   // the lines that start in this group's share of the block: each line once
                 for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
-            // the group's codes in registers (nibble e & 1 of its pair's bytes), lanes = rows
-            __m256i L[8], c[8];
-            rows8_t16(w, 16 * (int64_t)(g & ~1), L), rows8_t16(w, 16 * (int64_t)(g & ~1) + 16, L + 4);
+            // the group's codes in registers (nibble e & 1 of its pair's bytes)
+            if (!(e & 1)) rows8_t16(w, 16 * (int64_t)g, L), rows8_t16(w, 16 * (int64_t)g + 16, L + 4);
+            __m256i c[8];
             for (int jj = 0; jj < 8; jj++)
                 c[jj] = _mm256_and_si256((e & 1) ? _mm256_srli_epi16(L[jj], 4) : L[jj], m4);
 #ifdef SS_VNNI

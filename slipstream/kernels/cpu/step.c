@@ -218,9 +218,10 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #define SS_ROWS8_DEFAULT 15
 #endif
 static int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
-__attribute__((constructor)) static void rows8_default(void) {   // SLIPSTREAM_ROWS8=0 at load: the one-row kernels
+// SLIPSTREAM_ROWS8 at load: 0 the one-row kernels for every kind; a number, that ss_set_rows8 mask (A/B runs)
+__attribute__((constructor)) static void rows8_default(void) {
     const char *env = getenv("SLIPSTREAM_ROWS8");
-    if (env && env[0] == '0') rows8_usable = 0;
+    if (env && env[0] >= '0' && env[0] <= '9') rows8_usable = SS_ROWS8 ? atoi(env) & 63 : 0;
 }
 // whether m's products run on the 8-row kernels now: its kind's ss_set_rows8 bit is on
 static inline int rows8_on(const SSMat *m) {
