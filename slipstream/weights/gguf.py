@@ -211,6 +211,18 @@ def _linear_from_raw(qt: "QT", raw: np.ndarray, n: int, k: int) -> Linear:
     return Linear.dense(torch.from_numpy(_dense_raw(qt, raw).reshape(n, k)))
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says can be had without swapping (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _repacked_q8(qt: "QT", raw: np.ndarray, n: int, k: int) -> Linear:
     """A tensor of a type no kernel reads (IQ1-IQ3, ternary, MXFP4) as Q8_0 blocks: decoded by gguf-py
     and re-encoded by it, a slice of rows at a time (at most ~16M weights of fp32 alive at once)."""
@@ -273,6 +285,12 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
         if qt in REPACKED_TYPES and len(t.shape) > 1:
             repacked[qt.name] = repacked.get(qt.name, 0) + int(np.prod(t.shape))
+    need = sum(repacked.values()) * 34 // 32   # Q8_0: 34 bytes per 32 weights
+    free = available_memory()
+    if repacked and free is not None and need > free:
+        raise ModelLoadError(f"{path}: its {', '.join(sorted(repacked))} weights, re-encoded as Q8_0 (no kernel reads "
+                             f"those types yet), would take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory "
+                             "is available. Use a file of another type (Q4_K_M, IQ4_XS, Q3_K_M: read in place)")
     if repacked:
         warnings.warn(f"{path}: no native kernel reads {', '.join(sorted(repacked))} weights yet: "
                       f"{sum(repacked.values()):,} of them are re-encoded once at load as Q8_0 "

@@ -65,7 +65,7 @@ def test_the_native_product_of_a_repacked_weight(qt):
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
-def test_loading_names_the_repacked_types_once(tmp_path):
+def _tiny_file(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=512,
                            head_count=4, head_count_kv=4, vocab_size=64).items():
@@ -87,6 +87,11 @@ def test_loading_names_the_repacked_types_once(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return tmp_path / "m.gguf"
+
+
+def test_loading_names_the_repacked_types_once(tmp_path):
+    _tiny_file(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, weights, _ = load_gguf(tmp_path / "m.gguf")
@@ -95,3 +100,18 @@ def test_loading_names_the_repacked_types_once(tmp_path):
     assert "0.3 MiB" in said[0]
     layer = weights["layers.0"]
     assert layer.down.fmt == Q8_0
+
+
+def test_a_re_encoding_that_cannot_fit_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Q8_0 takes 2.5-5x an IQ file's bytes: past the memory available, one clear error instead of the OOM killer."""
+    import slipstream.weights.gguf as g
+    from slipstream.errors import ModelLoadError
+    path = _tiny_file(tmp_path)
+    monkeypatch.setattr(g, "available_memory", lambda: 100_000)   # 0.1 MB; the re-encoding needs 0.28 MB
+    with pytest.raises(ModelLoadError, match=r"IQ2_XXS, IQ3_S .*0\.0 GiB; 0\.0 GiB of memory is available"):
+        load_gguf(path)
+    monkeypatch.setattr(g, "available_memory", lambda: None)   # unknown (not Linux): no check
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, weights, _ = load_gguf(path)
+    assert weights["layers.0"].down.fmt == Q8_0
