@@ -14,6 +14,7 @@
 // threads and a per-thread scratch for attention scores.
 #define _GNU_SOURCE
 #include <limits.h>
+#include <stdio.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -1021,7 +1022,8 @@ static void moe_route(const SSModel *m, const SSStep *s, const SSMoe *e, int exa
     }
 }
 
-// a thread's gate/up outputs of an OP_GATE_UP task (floats), grown on demand and never shrunk; NULL if out of memory
+// a thread's gate/up outputs of a GLU task (glu_cols), or an MoE down task's sums (moe_down); floats, grown on
+// demand and never shrunk; NULL if out of memory
 static __thread float *gu_buf;
 static __thread size_t gu_cap;
 static float *gu_scratch(size_t floats) {
@@ -1063,7 +1065,13 @@ static void glu_cols(const SSModel *m, const SSMat *gu, int F, int c0, int c1, i
 static void moe_down(const SSModel *m, const SSStep *s, const SSMoe *e, int n0, int n1, int exact) {
     const int B = s->rows, E = e->experts, F = e->ffn, hid = m->hidden, w = n1 - n0;
     const int32_t *n_active = s->moe_idx, *active = n_active + 1, *off = active + E, *pair_row = off + E + 1;
-    float *acc = (float *)calloc((size_t)B * w, sizeof(float)), *y = (float *)malloc(sizeof(float) * (size_t)B * w);
+    // the per-thread gate/up buffer (no GLU task runs inside this one): sums, then one expert's outputs
+    float *acc = gu_scratch((size_t)B * w * 2), *y = acc + (size_t)B * w;
+    if (!acc) {   // no memory for a few MB: nothing sensible to compute with
+        fprintf(stderr, "slipstream: out of memory in an MoE layer's down products (%zu bytes)\n", sizeof(float) * (size_t)B * w * 2);
+        abort();
+    }
+    memset(acc, 0, sizeof(float) * (size_t)B * w);
     for (int a = 0; a < *n_active; a++) {
         const int p0 = off[a], np = off[a + 1] - p0;
         const SSAct in = act_rows(&s->eact, p0, F);
@@ -1083,8 +1091,6 @@ static void moe_down(const SSModel *m, const SSStep *s, const SSMoe *e, int n0, 
         float *x = s->x + (int64_t)b * hid + n0;
         for (int i = 0; i < w; i++) x[i] += acc[b * w + i];
     }
-    free(acc);
-    free(y);
 }
 
 // -- prefetch while waiting -------------------------------------------------------------------------
