@@ -209,7 +209,8 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 // the re-quantized default model; docs/BENCHMARKS.md, 2026-11-29 and 2026-12-01):
 //   bit 4 (Q5_0, Q5_1) on AVX-512 builds: batch 1 0.96-1.00x, batch 8 0.74x; AVX2 builds (16 vector registers for
 //     the fifth bits' decoding) 1.04-1.12x slower at batch 1 though 0.70-0.82x at batch 8;
-//   bit 5 (IQ4_NL, IQ4_XS) on VNNI builds (AVX-512 VNNI, AVX-VNNI): batch 1 0.92-1.06x, batch 8 0.73-0.76x; plain
+//   bit 5 (IQ4_NL, IQ4_XS) on VNNI builds (AVX-512 VNNI, AVX-VNNI): batch 1 0.92-1.07x (median 1.04x), batch 8
+//     0.73-0.76x, prompt chunks 0.91-0.96x; plain
 //     AVX2 (maddubs: the signed codes' sign trick and a madd per dword) 1.09-1.11x slower at batch 1, 0.90-0.93x at 8.
 #if defined(SS_AVX512)
 #define SS_ROWS8_DEFAULT 63
