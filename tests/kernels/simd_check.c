@@ -298,6 +298,37 @@ static int check_q6_rows8(void) {
 #endif
 }
 
+#if defined(SS_AVX2)
+enum { R8_KMAX = 768 };   // the widest row of the 8-row checks below
+// out[m] (lanes = weight rows) of an 8-row kernel against its defined arithmetic, bit for bit: per (weight row r,
+// activation row m) each group's exact integer sum of (code + off) x, then in group order acc = fma(float(sum) *
+// xd, s, acc) and acc = fma(o, xs, acc) (s = sc[r][g], o = mn[r][g]); 1 if every output matches
+static int rows8_match(const char *what, int t, int K, int nb, const __m256 out[MAX_ROWS], int8_t code[8][R8_KMAX],
+                       int off, float sc[8][R8_KMAX / 32], float mn[8][R8_KMAX / 32], const int8_t *xq,
+                       const float *xd, const float *xs) {
+    const int G = K / 32;
+    int ok = 1;
+    for (int m = 0; m < nb; m++) {
+        float got[8];
+        _mm256_storeu_ps(got, out[m]);
+        for (int r = 0; r < 8; r++) {
+            float acc = 0.f;
+            for (int g = 0; g < G; g++) {
+                int sum = 0;
+                for (int j = 0; j < 32; j++) sum += (code[r][32 * g + j] + off) * xq[m * K + 32 * g + j];
+                acc = fmaf((float)sum * xd[m * G + g], sc[r][g], acc);
+                acc = fmaf(mn[r][g], xs[m * G + g], acc);
+            }
+            if (got[r] != acc) {
+                printf("%s rows8 type %d K %d nb %d row %d act %d: %.9g want %.9g\n", what, t, K, nb, r, m, got[r], acc);
+                ok = 0;
+            }
+        }
+    }
+    return ok;
+}
+#endif
+
 // qtypes.h's 8-weight-rows Q5_0, Q5_1 and Q5_K products (x86 AVX2 builds) against a plain loop over their defined
 // arithmetic, bit for bit: per (weight row, activation row) each group's exact integer sum of c x (c the unsigned
 // 5-bit code), then in group order acc = fma(float(sum) * xd, s, acc) and acc = fma(o, xs, acc), s and o the
@@ -305,7 +336,7 @@ static int check_q6_rows8(void) {
 // of groups), every row count 1-8, an all-zero activation row
 static int check_q5_rows8(void) {
 #if defined(SS_AVX2)
-    enum { KMAX = 768 };
+    enum { KMAX = R8_KMAX };
     static uint8_t src[8][24 * (KMAX / 32)], rb[8][24 * (KMAX / 32)];   // Q5_1: 24 bytes per 32
     static int8_t xq[MAX_ROWS * KMAX], code[8][KMAX];
     static float xd[MAX_ROWS * KMAX / 32], xs[MAX_ROWS * KMAX / 32], x[KMAX], sc[8][KMAX / 32], mn[8][KMAX / 32];
@@ -341,23 +372,7 @@ static int check_q5_rows8(void) {
                     else qt_rb5_rows8(QT_R_Q5_K, p, K, xq, xd, xs, NB, NULL, 0, out); } while (0)
                 SS_BY_ROWS(nb, R5)
 #undef R5
-                for (int m = 0; m < nb; m++) {
-                    float got[8];
-                    _mm256_storeu_ps(got, out[m]);
-                    for (int r = 0; r < 8; r++) {
-                        float acc = 0.f;
-                        for (int g = 0; g < G; g++) {
-                            int sum = 0;
-                            for (int j = 0; j < 32; j++) sum += code[r][32 * g + j] * xq[m * K + 32 * g + j];
-                            acc = fmaf((float)sum * xd[m * G + g], sc[r][g], acc);
-                            acc = fmaf(mn[r][g], xs[m * G + g], acc);
-                        }
-                        if (got[r] != acc) {
-                            printf("q5 rows8 type %d K %d nb %d row %d act %d: %.9g want %.9g\n", t, K, nb, r, m, got[r], acc);
-                            ok = 0;
-                        }
-                    }
-                }
+                ok &= rows8_match("q5", t, K, nb, out, code, 0, sc, mn, xq, xd, xs);
             }
         }
     }
@@ -374,7 +389,7 @@ static int check_q5_rows8(void) {
 // every row count 1-8, an all-zero activation row
 static int check_iq4_rows8(void) {
 #if defined(SS_AVX2)
-    enum { KMAX = 768 };
+    enum { KMAX = R8_KMAX };
     static uint8_t src[8][18 * (KMAX / 32)], rb[8][18 * (KMAX / 32)];   // IQ4_NL: 18 bytes per 32 (IQ4_XS 17)
     static int8_t xq[MAX_ROWS * KMAX], code[8][KMAX];
     static float xd[MAX_ROWS * KMAX / 32], xs[MAX_ROWS * KMAX / 32], x[KMAX], sc[8][KMAX / 32], mn[8][KMAX / 32];
@@ -397,6 +412,7 @@ static int check_iq4_rows8(void) {
                 }
                 qt_rb_pack_row(tg, src[r], K, rb[r]);
                 qt_rb_unpack_row(t, rb[r], K, code[r], sc[r], mn[r]);
+                for (int g = 0; g < G; g++) mn[r][g] = -(float)off * sc[r][g];   // VNNI's offset term (0 on AVX2: fma(0, xs, acc) = acc)
             }
             for (int m = 0; m < MAX_ROWS; m++) {
                 for (int i = 0; i < K; i++) x[i] = frand() * (m == 3 ? 0.f : 2.f);
@@ -410,23 +426,7 @@ static int check_iq4_rows8(void) {
                      else qt_rbnl_rows8(QT_R_IQ4_XS, p, K, xq, xd, xs, NB, NULL, 0, out); } while (0)
                 SS_BY_ROWS(nb, RNL)
 #undef RNL
-                for (int m = 0; m < nb; m++) {
-                    float got[8];
-                    _mm256_storeu_ps(got, out[m]);
-                    for (int r = 0; r < 8; r++) {
-                        float acc = 0.f;
-                        for (int g = 0; g < G; g++) {
-                            int sum = 0;
-                            for (int j = 0; j < 32; j++) sum += (code[r][32 * g + j] + off) * xq[m * K + 32 * g + j];
-                            acc = fmaf((float)sum * xd[m * G + g], sc[r][g], acc);
-                            if (off) acc = fmaf(sc[r][g] * -128.f, xs[m * G + g], acc);
-                        }
-                        if (got[r] != acc) {
-                            printf("iq4 rows8 type %d K %d nb %d row %d act %d: %.9g want %.9g\n", t, K, nb, r, m, got[r], acc);
-                            ok = 0;
-                        }
-                    }
-                }
+                ok &= rows8_match("iq4", t, K, nb, out, code, off, sc, mn, xq, xd, xs);
             }
         }
     }

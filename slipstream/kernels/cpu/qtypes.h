@@ -860,6 +860,23 @@ AI __m256 qt8_f16_lanes(__m256i v) {   // the low 16 bits of each 32-bit lane, a
                           ss_half_to_f32(u[4]), ss_half_to_f32(u[5]), ss_half_to_f32(u[6]), ss_half_to_f32(u[7]));
 #endif
 }
+// the fp16 values of groups g0 .. g0 + ng - 1 (ng 4, or a last 2) of 8 rows, 2 bytes per group from byte `off` of
+// each row, as fp32 lanes = rows: four at a time, a last pair from the last four (the pair before it among them)
+AI void qt8_half_groups(const uint8_t *const w[8], int64_t off, int G, int g0, int ng, __m256 v[4]) {
+    if (ng == 4) {
+        qt8_half4(w, off + 2 * (int64_t)g0, v);
+    } else if (G >= 4) {
+        __m256 t[4];
+        qt8_half4(w, off + 2 * (int64_t)(G - 4), t);
+        v[0] = t[2], v[1] = t[3];
+    } else {
+        for (int e = 0; e < ng; e++) {
+            float h[8];
+            for (int r = 0; r < 8; r++) h[r] = qt_f16(w[r] + off + 2 * (g0 + e));
+            v[e] = _mm256_loadu_ps(h);
+        }
+    }
+}
 AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t *xq, const float *xd, const float *xs,
                      int nb, const char *pf, int64_t pf_group, __m256 out[MAX_ROWS]) {
     const int G = K / 32, G4 = G & ~3;
@@ -921,24 +938,8 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
                 o4[e] = _mm256_xor_ps(_mm256_mul_ps(dm, _mm256_cvtepi32_ps(mn)), _mm256_set1_ps(-0.f));
             }
         } else {
-            if (ng == 4) {
-                qt8_half4(w, 20 * (int64_t)G + 2 * (int64_t)g0, s4);
-                if (t == QT_R_Q5_1) qt8_half4(w, 22 * (int64_t)G + 2 * (int64_t)g0, o4);
-            } else if (G >= 4) {   // the last four groups' scales (the pair before this one's among them)
-                __m256 v[4];
-                qt8_half4(w, 20 * (int64_t)G + 2 * (int64_t)(G - 4), v);
-                s4[0] = v[2], s4[1] = v[3];
-                if (t == QT_R_Q5_1) qt8_half4(w, 22 * (int64_t)G + 2 * (int64_t)(G - 4), v), o4[0] = v[2], o4[1] = v[3];
-            } else {
-                for (int e = 0; e < 2; e++) {
-                    float sv[8], ov[8];
-                    for (int r = 0; r < 8; r++) {
-                        sv[r] = qt_f16(w[r] + 20 * (int64_t)G + 2 * (g0 + e));
-                        ov[r] = t == QT_R_Q5_1 ? qt_f16(w[r] + 22 * (int64_t)G + 2 * (g0 + e)) : 0.f;
-                    }
-                    s4[e] = _mm256_loadu_ps(sv), o4[e] = _mm256_loadu_ps(ov);
-                }
-            }
+            qt8_half_groups(w, 20 * (int64_t)G, G, g0, ng, s4);
+            if (t == QT_R_Q5_1) qt8_half_groups(w, 22 * (int64_t)G, G, g0, ng, o4);
             if (t == QT_R_Q5_0)
                 for (int e = 0; e < ng; e++) o4[e] = _mm256_mul_ps(s4[e], _mm256_set1_ps(-16.f));
         }
@@ -951,12 +952,7 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
                 __m256i x[8];
                 rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
 #ifdef SS_VNNI
-                const __m256i z = _mm256_setzero_si256();
-                const __m256i e0 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, _mm256_load_si256(q + 0), x[0]), _mm256_load_si256(q + 1), x[1]),
-                                                      _mm256_load_si256(q + 2), x[2]), _mm256_load_si256(q + 3), x[3]);
-                const __m256i e1 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, _mm256_load_si256(q + 4), x[4]), _mm256_load_si256(q + 5), x[5]),
-                                                      _mm256_load_si256(q + 6), x[6]), _mm256_load_si256(q + 7), x[7]);
-                const __m256i sum = _mm256_add_epi32(e0, e1);
+                const __m256i sum = rows8_dot(q, x);   // q: the aligned codes buffer
 #else
                 __m256i p[2];
                 for (int hq = 0; hq < 2; hq++) {
@@ -1022,18 +1018,8 @@ AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_
                                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(H0, 16 + 2 * i), f2), 4));
                 s4[e] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
             }
-        } else if (ng == 4) {
-            qt8_half4(w, 16 * (int64_t)G + 2 * (int64_t)g0, s4);
-        } else if (G >= 4) {   // the last pair: the last four groups' scales, the pair before this one's among them
-            __m256 v[4];
-            qt8_half4(w, 16 * (int64_t)G + 2 * (int64_t)(G - 4), v);
-            s4[0] = v[2], s4[1] = v[3];
         } else {
-            for (int e = 0; e < 2; e++) {
-                float sv[8];
-                for (int r = 0; r < 8; r++) sv[r] = qt_f16(w[r] + 16 * (int64_t)G + 2 * (g0 + e));
-                s4[e] = _mm256_loadu_ps(sv);
-            }
+            qt8_half_groups(w, 16 * (int64_t)G, G, g0, ng, s4);
         }
         __m256i L[8];   // the current pair's code bytes, lanes = rows (transposed once for both groups)
         for (int e = 0; e < ng; e++) {
@@ -1056,10 +1042,7 @@ AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_
                 __m256i x[8];
                 rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
 #ifdef SS_VNNI
-                const __m256i z = _mm256_setzero_si256();
-                const __m256i e0 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
-                const __m256i e1 = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, c[4], x[4]), c[5], x[5]), c[6], x[6]), c[7], x[7]);
-                const __m256i sum = _mm256_add_epi32(e0, e1);
+                const __m256i sum = rows8_dot(c, x);
 #else
                 __m256i p2[2];
                 for (int hq = 0; hq < 2; hq++) {   // a madd per dword: |k| x 127 twice fills an int16

@@ -512,6 +512,16 @@ AI void rows8_bcast(const int8_t *a, __m256i x[8]) {
         x[j] = _mm256_set1_epi32(v);
     }
 }
+#ifdef SS_VNNI
+// a group's exact int32 sums, lanes = weight rows: q[j] the 8 rows' codes 4j..4j+3 (unsigned), x[j] an activation
+// row's matching codes broadcast (rows8_bcast); two chains of four, as every 8-row VNNI kernel sums them
+AI __m256i rows8_dot(const __m256i *q, const __m256i x[8]) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i e = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[0], x[0]), q[1], x[1]), q[2], x[2]), q[3], x[3]);
+    const __m256i f = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[4], x[4]), q[5], x[5]), q[6], x[6]), q[7], x[7]);
+    return _mm256_add_epi32(e, f);
+}
+#endif
 // one group g of q4i_rows8 into acc[0..nb)
 AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, int half, int64_t ss, int G,
                   const int8_t *xq, const float *xd, const float *xs, int nb, const char *pf, int g, __m256 *acc) {
@@ -541,10 +551,7 @@ AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, i
         __m256i x[8];
         rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
 #ifdef SS_VNNI
-        const __m256i z = _mm256_setzero_si256();
-        const __m256i e = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[0], x[0]), q[1], x[1]), q[2], x[2]), q[3], x[3]);
-        const __m256i f = SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(SS_DPBUSD(z, q[4], x[4]), q[5], x[5]), q[6], x[6]), q[7], x[7]);
-        const __m256i sum = _mm256_add_epi32(e, f);
+        const __m256i sum = rows8_dot(q, x);
 #else
         const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], x[0]), _mm256_maddubs_epi16(q[1], x[1]));
         const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], x[2]), _mm256_maddubs_epi16(q[3], x[3]));
