@@ -285,17 +285,16 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
         if qt in REPACKED_TYPES and len(t.shape) > 1:
             repacked[qt.name] = repacked.get(qt.name, 0) + int(np.prod(t.shape))
-    need = sum(repacked.values()) * 34 // 32   # Q8_0: 34 bytes per 32 weights
-    free = available_memory()
-    if repacked and free is not None and need > free:
-        raise ModelLoadError(f"{path}: its {', '.join(sorted(repacked))} weights, re-encoded as Q8_0 (no kernel reads "
-                             f"those types yet), would take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory "
-                             "is available. Use a file of another type (Q4_K_M, IQ4_XS, Q3_K_M: read in place)")
-    if repacked:
-        warnings.warn(f"{path}: no native kernel reads {', '.join(sorted(repacked))} weights yet: "
-                      f"{sum(repacked.values()):,} of them are re-encoded once at load as Q8_0 "
-                      f"({sum(repacked.values()) * 34 / 32 / 2**20:.1f} MiB in memory; decode reads those "
-                      "bytes per token, so it is slower than that file type's size suggests)", stacklevel=2)
+    if repacked:   # their Q8_0 copies: 34 bytes per 32 weights, checked against the memory there is
+        names, count = ", ".join(sorted(repacked)), sum(repacked.values())
+        need, free = count * 34 / 32, available_memory()
+        if free is not None and need > free:
+            raise ModelLoadError(f"{path}: its {names} weights, re-encoded as Q8_0 (no kernel reads those types yet), "
+                                 f"would take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is available. "
+                                 "Use a file of another type (Q4_K_M, IQ4_XS, Q3_K_M: read in place)")
+        warnings.warn(f"{path}: no native kernel reads {names} weights yet: {count:,} of them are re-encoded once "
+                      f"at load as Q8_0 ({need / 2**20:.1f} MiB in memory; decode reads those bytes per token, so it "
+                      "is slower than that file type's size suggests)", stacklevel=2)
 
     def vec(name: str) -> torch.Tensor:
         if name not in tensors:
