@@ -162,13 +162,10 @@ def render(r: Report) -> str:
         f"chat template  {r.chat_template}",
         "tensor types   " + ("(none read)" if not r.types else ""),
     ]
-    from slipstream.weights.gguf import REPACKED_TYPES
-    repacked = {t.name for t in REPACKED_TYPES} if r.format == "gguf" else set()
     for name, s in sorted(r.types.items(), key=lambda kv: -kv[1].params):
         share = 100.0 * s.params / max(1, r.parameters)
         size = f", {_human(s.bytes)}" if s.bytes else ""
-        note = ", re-encoded at load as Q8_0 (no kernel reads it)" if name in repacked else ""
-        lines.append(f"  {name:<8} {s.tensors:>4} tensors, {share:5.1f}% of weights{size}{note}")
+        lines.append(f"  {name:<8} {s.tensors:>4} tensors, {share:5.1f}% of weights{size}")
     lines.append(f"runtime        {r.runtime} (what --runtime auto picks here)")
     for rt, why in r.runtimes.items():
         lines.append(f"  {rt:<11} {'can run it' if why == 'ok' else 'no: ' + why}")

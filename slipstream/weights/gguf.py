@@ -20,13 +20,10 @@ from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned, aligned
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
 PACKED_TYPES = {QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K}
-# kept as the file's own blocks, read in place from the memory map
+# kept as the file's own blocks, read in place from the memory map (the IQ1-IQ3 lattice types, ternary
+# and MXFP4 included: kernels/cpu/iqtypes.h)
 RAW_QTYPES = {QT(t) for t in RAW_TYPES} - PACKED_TYPES
-# no kernel reads these: decoded by gguf-py and re-encoded once at load as Q8_0 (8.5 bits a weight, so
-# the file's values move by at most half a Q8_0 step: |error| <= max|w| / 254 per block of 32)
-REPACKED_TYPES = {QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M,
-                  QT.TQ1_0, QT.TQ2_0, QT.MXFP4}
-SUPPORTED_TYPES = PACKED_TYPES | RAW_QTYPES | REPACKED_TYPES | {QT.F32}
+SUPPORTED_TYPES = PACKED_TYPES | RAW_QTYPES | {QT.F32}
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -206,36 +203,7 @@ def _linear_from_raw(qt: "QT", raw: np.ndarray, n: int, k: int) -> Linear:
         return _q4k_linear(raw, n, k)
     if qt in RAW_QTYPES:
         return Linear.from_raw(int(qt), raw, n, k)
-    if qt in REPACKED_TYPES:
-        return _repacked_q8(qt, raw, n, k)
     return Linear.dense(torch.from_numpy(_dense_raw(qt, raw).reshape(n, k)))
-
-
-def available_memory() -> int | None:
-    """Bytes of memory the kernel says can be had without swapping (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _repacked_q8(qt: "QT", raw: np.ndarray, n: int, k: int) -> Linear:
-    """A tensor of a type no kernel reads (IQ1-IQ3, ternary, MXFP4) as Q8_0 blocks: decoded by gguf-py
-    and re-encoded by it, a slice of rows at a time (at most ~16M weights of fp32 alive at once)."""
-    import gguf
-
-    rows = raw.reshape(n, -1)
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    out = aligned_empty((n, k // 32 * 34), np.uint8)
-    step = max(1, (1 << 24) // k)
-    for r in range(0, n, step):
-        dense = gguf.quants.dequantize(rows[r:r + step], gguf.GGMLQuantizationType(int(qt)))
-        out[r:r + step] = gguf.quants.quantize(dense.astype(np.float32), q8)
-    return Linear.from_blocks(int(QT.Q8_0), out, n, k)
 
 
 def _dense(t: Any) -> np.ndarray:
@@ -277,24 +245,11 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, str(path))
     tensors = {t.name: t for t in reader.tensors}
-    repacked: dict[str, int] = {}
     for t in reader.tensors:
         qt = QT(t.tensor_type)
         if qt not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quant type {qt.name} "
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
-        if qt in REPACKED_TYPES and len(t.shape) > 1:
-            repacked[qt.name] = repacked.get(qt.name, 0) + int(np.prod(t.shape))
-    if repacked:   # their Q8_0 copies: 34 bytes per 32 weights, checked against the memory there is
-        names, count = ", ".join(sorted(repacked)), sum(repacked.values())
-        need, free = count * 34 / 32, available_memory()
-        if free is not None and need > free:
-            raise ModelLoadError(f"{path}: its {names} weights, re-encoded as Q8_0 (no kernel reads those types yet), "
-                                 f"would take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is available. "
-                                 "Use a file of another type (Q4_K_M, IQ4_XS, Q3_K_M: read in place)")
-        warnings.warn(f"{path}: no native kernel reads {names} weights yet: {count:,} of them are re-encoded once "
-                      f"at load as Q8_0 ({need / 2**20:.1f} MiB in memory; decode reads those bytes per token, so it "
-                      "is slower than that file type's size suggests)", stacklevel=2)
 
     def vec(name: str) -> torch.Tensor:
         if name not in tensors:

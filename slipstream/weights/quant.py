@@ -35,6 +35,8 @@ import torch
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kernels.cpu.abi import KIND_F32, KIND_Q4, KIND_Q8, KIND_QT, Q4_K6, SSMat
+from slipstream.kernels.cpu.iq_grids import GRID_TYPES
+from slipstream.kernels.cpu.iq_grids import install as install_grids
 
 Q4_0, Q4_1, Q8_0, Q4_F32 = 2, 3, 8, 100       # ggml's type ids; Q4_F32 is ours
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_F32: 24}
@@ -42,7 +44,11 @@ FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_F32: "Q4_K"}
 # ggml types kept as the file's blocks: id -> (name, weights per block, bytes per block)
 RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q2_K", 256, 84),
              11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-             20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2)}
+             20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136), 30: ("BF16", 1, 2),
+             # the lattice, ternary and MXFP4 types (kernels/cpu/iqtypes.h)
+             16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 22: ("IQ2_S", 256, 82), 18: ("IQ3_XXS", 256, 98),
+             21: ("IQ3_S", 256, 110), 19: ("IQ1_S", 256, 50), 29: ("IQ1_M", 256, 56), 34: ("TQ1_0", 256, 54),
+             35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17)}
 # ggml types re-blocked at load -> our format id (100 + the ggml id; qtypes.h's QT_R_*)
 REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 REBLOCKED = {v: k for k, v in REBLOCK.items()}   # our id -> the ggml type it came from
@@ -156,6 +162,8 @@ class Linear:
     def __post_init__(self) -> None:
         if self.kq is not None:   # the 6-bit form holds all of it (an artifact written before kept both)
             self.scale = self.min = None
+        if self.fmt in GRID_TYPES:   # the native decoders need gguf-py's grids before the first product
+            install_grids(load_library())
 
     @property
     def packed(self) -> bool:

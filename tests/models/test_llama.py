@@ -313,7 +313,7 @@ def test_missing_tensor(sharded: Path, tmp_path: Path):
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from slipstream.weights.gguf import REPACKED_TYPES, load_gguf  # noqa: E402
+from slipstream.weights.gguf import load_gguf  # noqa: E402
 
 GGUF_VARIANTS = {
     "f32": dict(tied=False, types={"output": QT.F16}),
@@ -331,10 +331,11 @@ GGUF_VARIANTS = {
     # every other 256-weight type where K allows it (ffn_down: K = 256)
     **{f"down_{t.name}": dict(tied=True, types={"token_embd": QT.Q5_0, "attn_q": QT.Q5_0, "attn_k": QT.Q5_0,
                                                 "attn_v": QT.Q5_0, "ffn_down": t})
-       for t in (QT.Q2_K, QT.Q3_K, QT.Q5_K, QT.IQ4_XS)},
-    # types no kernel reads, re-encoded at load as Q8_0 (transformers gets the re-encoded values)
-    "repacked": dict(tied=True, types={"token_embd": QT.Q5_0, "attn_q": QT.MXFP4, "attn_k": QT.Q5_0,
-                                       "attn_v": QT.Q5_0, "attn_output": QT.MXFP4, "ffn_down": QT.IQ3_S}),
+       for t in (QT.Q2_K, QT.Q3_K, QT.Q5_K, QT.IQ4_XS, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S,
+                 QT.IQ1_S, QT.IQ1_M, QT.TQ1_0, QT.TQ2_0)},
+    # MXFP4 (32-weight blocks) stacked with Q5_0 in the fused QKV, IQ3_S (kernels/cpu/iqtypes.h)
+    "lattice": dict(tied=True, types={"token_embd": QT.Q5_0, "attn_q": QT.MXFP4, "attn_k": QT.Q5_0,
+                                      "attn_v": QT.Q5_0, "attn_output": QT.MXFP4, "ffn_down": QT.IQ3_S}),
 }
 QUANTIZABLE = {QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.BF16}   # gguf-py has quantizers for these
 HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -421,12 +422,12 @@ def _write_gguf(hf: torch.nn.Module, path: Path, types: dict, tied: bool) -> Non
                 raw = _random_q4k(*arr.shape, seed)
             elif qt in QUANTIZABLE:
                 raw = gguf.quants.quantize(arr, qt)
-            else:   # no gguf-py quantizer: hand-built blocks of the same magnitude
-                raw = random_blocks(int(qt), *arr.shape, seed=seed, size=float(np.abs(arr).max()))
+            else:   # no gguf-py quantizer: hand-built blocks of the same magnitude (ternary codes are all +-d
+                # or 0, so their d is the typical weight, not the largest)
+                size = np.abs(arr).mean() if qt in (QT.TQ1_0, QT.TQ2_0) else np.abs(arr).max()
+                raw = random_blocks(int(qt), *arr.shape, seed=seed, size=float(size))
             w.add_tensor(dst, raw, raw_dtype=qt)
             back = gguf.quants.dequantize(raw, qt).reshape(arr.shape).astype(np.float32)
-            if int(qt) in REPACKED_TYPES:   # what the loader computes with
-                back = gguf.quants.dequantize(gguf.quants.quantize(back, QT.Q8_0), QT.Q8_0).reshape(arr.shape)
         if role in heads:
             back = _permute(back, heads[role], inverse=True)
         with torch.no_grad():
@@ -471,9 +472,9 @@ def test_gguf_config(tiny_gguf: Tiny):
         assert L.qkv.format_name == "Q5_0+Q5_1+IQ4_NL"
         assert (L.o.format_name, L.gate_up.format_name, L.down.format_name) == ("BF16", "F16+Q8_0", "Q6_K")
         assert (m.embed.format_name, m.lm_head.format_name) == ("Q5_1", "IQ4_NL")
-    elif tiny_gguf.name == "repacked":   # MXFP4 and IQ3_S re-encoded as Q8_0, stacked with the file's Q5_0
+    elif tiny_gguf.name == "lattice":   # in place, as the file has them
         L = m.layers[0]
-        assert (L.qkv.format_name, L.o.format_name, L.down.format_name) == ("Q8_0+Q5_0", "Q8_0", "Q8_0")
+        assert (L.qkv.format_name, L.o.format_name, L.down.format_name) == ("MXFP4+Q5_0", "MXFP4", "IQ3_S")
     elif tiny_gguf.name.startswith("down_"):
         assert m.layers[0].down.format_name == tiny_gguf.name.removeprefix("down_")
     else:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
 SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
-HEADERS = ["simd.h", "ops.h", "qtypes.h", "amx.h"]
+HEADERS = ["simd.h", "ops.h", "qtypes.h", "iqtypes.h", "amx.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
 BASE_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
@@ -213,6 +213,8 @@ def load_library() -> ctypes.CDLL | None:
         "ss_qt_dequant": [i32, vp, i32, i32, i32, vp],
         "ss_qt_dequant_bf16": [i32, vp, i32, i32, i32, vp],
         "ss_add_rows": [vp, vp, ctypes.c_int64],
+        "ss_set_iq_grids": [vp, vp, vp, vp, vp, vp],
+        "ss_iq_grids_ready": [],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -228,6 +230,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_set_twin_rows.restype = i32
     lib.ss_set_twin16.restype = i32
     lib.ss_rows8.restype = i32
+    lib.ss_iq_grids_ready.restype = i32
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p
     return lib

@@ -19,6 +19,9 @@
 enum {
     QT_F16 = 1, QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q5_1 = 7, QT_Q8_0 = 8, QT_Q2_K = 10,
     QT_Q3_K = 11, QT_Q4_K = 12, QT_Q5_K = 13, QT_Q6_K = 14, QT_IQ4_NL = 20, QT_IQ4_XS = 23, QT_BF16 = 30,
+    // the lattice, ternary and MXFP4 types (iqtypes.h)
+    QT_IQ2_XXS = 16, QT_IQ2_XS = 17, QT_IQ3_XXS = 18, QT_IQ1_S = 19, QT_IQ3_S = 21, QT_IQ2_S = 22, QT_IQ1_M = 29,
+    QT_TQ1_0 = 34, QT_TQ2_0 = 35, QT_MXFP4 = 39,
     // ours: Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K re-blocked at load (weights/quant.py), 100 + the ggml
     // type; same bytes per row as the ggml blocks, laid out by planes so the products read them as the
     // 4-bit kernels read theirs (see qt_rb_q8_row, qt_rb6_q8_row)
@@ -46,6 +49,9 @@ static inline int qt_block(int t) {
     case QT_R_Q5_0: case QT_R_Q5_1: case QT_R_IQ4_NL: return 32;
     case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
+    case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: case QT_IQ1_M:
+    case QT_TQ1_0: case QT_TQ2_0: return 256;
+    case QT_MXFP4: return 32;
     default: return 0;
     }
 }
@@ -59,6 +65,9 @@ static inline int qt_bytes(int t) {
     case QT_R_IQ4_XS: return 136; case QT_R_Q5_K: return 176;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
+    case QT_IQ2_XXS: return 66; case QT_IQ2_XS: return 74; case QT_IQ2_S: return 82; case QT_IQ3_XXS: return 98;
+    case QT_IQ3_S: return 110; case QT_IQ1_S: return 50; case QT_IQ1_M: return 56; case QT_TQ1_0: return 54;
+    case QT_TQ2_0: return 66; case QT_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -128,6 +137,8 @@ AI __m256i qt_field(__m256i v, int shift, int mask) {   // (v >> shift) & mask, 
 }
 AI void qt_store(int8_t *q, __m256i v) { _mm256_storeu_si256((__m256i *)q, v); }
 #endif
+
+#include "iqtypes.h"
 
 // Decode one block of type t at p (qt_block(t) weights).
 AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
@@ -312,7 +323,8 @@ AI void qt_unpack(const int t, const uint8_t *p, const QTOut *o) {
         break;
     }
     default:
-        memset(o->q, 0, (size_t)qt_block(t));
+        if (qt_iq_type(t)) qt_unpack_iq(t, p, o->q, o->sc, o->mn);
+        else memset(o->q, 0, (size_t)qt_block(t));
     }
 }
 
@@ -1082,7 +1094,9 @@ AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
 // per 32 weights; Q2_K's per-16 minimum sums the codes itself
 // Types whose scale (and minimum) is shared by 32 weights: a whole row is decoded first, then
 // multiplied by the 8-bit layout's kernels (four groups per reduction), plus the offset term.
-AI int qt_per32(const int t) { return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K && t != QT_R_Q6_K; }
+AI int qt_per32(const int t) {
+    return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K && t != QT_R_Q6_K && t != QT_IQ2_XS && t != QT_IQ2_S && t != QT_IQ1_M;
+}
 
 AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
     if (qt_rb(t)) {
@@ -1182,7 +1196,8 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
 // one compiled body per type (the decoder's switch folds away)
 #define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
     X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
-    X(QT_R_Q5_K) X(QT_R_Q6_K)
+    X(QT_R_Q5_K) X(QT_R_Q6_K) X(QT_IQ2_XXS) X(QT_IQ2_XS) X(QT_IQ2_S) X(QT_IQ3_XXS) X(QT_IQ3_S) X(QT_IQ1_S) X(QT_IQ1_M) \
+    X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {

@@ -1548,6 +1548,28 @@ void ss_qt_unpack(int qtype, const uint8_t *w, int n0, int n1, int K, int8_t *q,
         }
 }
 
+// The lattice types' grids as int8 values (kernels/cpu/iq_grids.py, from gguf-py), copied once per library:
+// IQ2_XXS 256 x 8, IQ2_XS 512 x 8, IQ2_S 1024 x 8, IQ3_XXS 256 x 4, IQ3_S 512 x 4, IQ1_S (and IQ1_M) 2048 x 8
+void ss_set_iq_grids(const int8_t *iq2xxs, const int8_t *iq2xs, const int8_t *iq2s, const int8_t *iq3xxs,
+                     const int8_t *iq3s, const int8_t *iq1s) {
+    memcpy(qt_grids.iq2xxs, iq2xxs, sizeof qt_grids.iq2xxs);
+    memcpy(qt_grids.iq2xs, iq2xs, sizeof qt_grids.iq2xs);
+    memcpy(qt_grids.iq2s, iq2s, sizeof qt_grids.iq2s);
+    memcpy(qt_grids.iq3xxs, iq3xxs, sizeof qt_grids.iq3xxs);
+    memcpy(qt_grids.iq3s, iq3s, sizeof qt_grids.iq3s);
+    memcpy(qt_grids.iq1s, iq1s, sizeof qt_grids.iq1s);
+    for (int s = 0; s < 256; s++) {
+        uint64_t m = 0;
+        for (int j = 0; j < 8; j++)
+            if (s >> j & 1) m |= (uint64_t)0xFF << (8 * j);
+        qt_grids.sign_mask[s] = m;
+    }
+    for (int i = 0; i < 128; i++) qt_grids.ksigns[i] = (uint8_t)(i | (__builtin_popcount((unsigned)i) & 1) << 7);
+    qt_grids.ready = 1;
+}
+
+int ss_iq_grids_ready(void) { return qt_grids.ready; }
+
 // rows [n0, n1) of a KIND_QT matrix as fp32 (the reference dequantization's values)
 void ss_qt_dequant(int qtype, const uint8_t *w, int n0, int n1, int K, float *out) {
     const int64_t row_bytes = (int64_t)K / qt_block(qtype) * qt_bytes(qtype);

@@ -1,0 +1,113 @@
+"""GGUF's lattice types (IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S), ternary TQ1_0/TQ2_0 and MXFP4: read in place.
+
+Their decoding and products are checked per type in tests/kernels/test_cpu_qtypes.py (bit-exact against
+gguf-py, on every x86 build via test_isa_builds.py). Here, what a file of them gets:
+- every weight type gguf-py decodes is one the loader reads, and these keep the file's bytes (no copy);
+- a file with such tensors loads without a warning, its products on the file's own blocks;
+- the grids come from gguf-py, which is imported only for files that hold such types;
+- a tiny llama of them gives transformers' greedy tokens (tests/models/test_llama.py, "lattice" and "down_*").
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import gguf
+from gguf import GGMLQuantizationType as QT
+
+from slipstream.kernels.cpu import load_library, native_available
+from slipstream.kernels.cpu.iq_grids import GRID_TYPES, grids
+from slipstream.weights.gguf import PACKED_TYPES, RAW_QTYPES, SUPPORTED_TYPES, _linear_from_raw, load_gguf
+from slipstream.weights.gguf_file import GGMLType
+
+from support import random_blocks
+
+TYPES = [QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M, QT.TQ1_0, QT.TQ2_0, QT.MXFP4]
+N, K = 24, 512
+
+
+def test_every_type_gguf_py_decodes_is_read():
+    decodable = {GGMLType(int(t)) for t in gguf.quants._type_traits if int(t) in GGMLType._value2member_map_}
+    assert decodable - {GGMLType.BF16} <= SUPPORTED_TYPES
+    assert {GGMLType(int(t)) for t in TYPES} <= RAW_QTYPES - PACKED_TYPES
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=[t.name for t in TYPES])
+def test_the_file_bytes_are_used_in_place(qt):
+    raw = random_blocks(int(qt), N, K, seed=int(qt), size=0.05)
+    lin = _linear_from_raw(GGMLType(int(qt)), raw, N, K)
+    assert lin.fmt == int(qt) and lin.format_name == qt.name and (lin.n, lin.k) == (N, K)
+    assert lin.data.data_ptr() == raw.ctypes.data   # a view of the file's blocks, not a copy
+    ref = gguf.quants.dequantize(raw, qt).reshape(N, K).astype(np.float32)
+    assert np.array_equal(lin.dequantize().numpy().view(np.int32), ref.view(np.int32))
+    assert np.abs(ref).max() > 0.01   # the blocks are not all zero
+
+
+def test_the_grids_are_gguf_pys():
+    for g, cls in zip(grids(), (gguf.quants.IQ2_XXS, gguf.quants.IQ2_XS, gguf.quants.IQ2_S, gguf.quants.IQ3_XXS,
+                                gguf.quants.IQ3_S, gguf.quants.IQ1_S)):
+        cls.init_grid()
+        assert g.dtype == np.int8 and np.array_equal(g.astype(np.float32), np.asarray(cls.grid).reshape(g.shape))
+    assert GRID_TYPES == {int(t) for t in (QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.IQ1_M)}
+
+
+@pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
+def test_gguf_is_imported_only_for_files_with_grid_types(tmp_path):
+    """The default model (no such types) loads without gguf-py (~0.13 s of imports); a lattice file brings it."""
+    path = _tiny_file(tmp_path)
+    code = ("import sys\nfrom slipstream.weights import default_model_path\nfrom slipstream.weights.gguf import load_gguf\n"
+            "from slipstream.kernels.cpu import load_library\nload_gguf(default_model_path())\n"
+            "print('gguf' in sys.modules, load_library().ss_iq_grids_ready())\n"
+            f"load_gguf({str(path)!r})\nprint('gguf' in sys.modules, load_library().ss_iq_grids_ready())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "0", "True", "1"], out.stdout + out.stderr[-2000:]
+
+
+def _tiny_file(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=512,
+                           head_count=4, head_count_kv=4, vocab_size=64).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd": (64, 256), "blk.0.attn_q": (256, 256), "blk.0.attn_k": (256, 256),
+              "blk.0.attn_v": (256, 256), "blk.0.attn_output": (256, 256), "blk.0.ffn_gate": (512, 256),
+              "blk.0.ffn_up": (512, 256), "blk.0.ffn_down": (256, 512)}
+    types = {"blk.0.ffn_down": QT.IQ3_S, "blk.0.ffn_up": QT.IQ2_XXS, "blk.0.attn_output": QT.TQ1_0,
+             "token_embd": QT.IQ1_M}
+    for name, (n, k) in shapes.items():
+        if name in types:
+            w.add_tensor(name + ".weight", random_blocks(int(types[name]), n, k, size=0.05), raw_dtype=types[name])
+        else:
+            w.add_tensor(name + ".weight", (rng.standard_normal((n, k)) * 0.05).astype(np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(name + ".weight", np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tmp_path / "m.gguf"
+
+
+def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
+    path = _tiny_file(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, weights, reader = load_gguf(path)
+    assert not [str(c.message) for c in caught if "IQ" in str(c.message) or "TQ" in str(c.message)]
+    layer = weights["layers.0"]
+    assert layer.down.format_name == "IQ3_S" and layer.o.format_name == "TQ1_0"
+    assert weights["embed"].format_name == "IQ1_M"
+    lo, hi = reader.data.ctypes.data, reader.data.ctypes.data + reader.data.nbytes
+    for w in (layer.down, layer.o, weights["embed"]):   # in the memory map: the file's bytes are the weights
+        assert lo <= w.data.data_ptr() < hi
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ layer.down.dequantize().double().T
+    assert torch.allclose(layer.down(x).double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    if load_library() is not None:
+        assert load_library().ss_iq_grids_ready() == 1
