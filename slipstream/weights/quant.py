@@ -22,6 +22,7 @@ reference dequantization bit for bit.
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 import threading
 import warnings
@@ -51,7 +52,13 @@ RAW_TYPES = {1: ("F16", 1, 2), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 10: ("Q
              35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17)}
 # ggml types re-blocked at load -> our format id (100 + the ggml id; qtypes.h's QT_R_*)
 REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
-REBLOCKED = {v: k for k, v in REBLOCK.items()}   # our id -> the ggml type it came from
+# ggml types re-encoded at load -> our format id: the lattice and ternary types whose weights are each one of
+# 16 values times a per-32 scale (IQ2_XXS, IQ3_XXS, IQ1_S, IQ3_S, TQ1_0, TQ2_0) into IQ4_XS's planes with
+# their own values, MXFP4 into IQ4_NL's; every value kept (4.25 and 4.5 bits a weight, against 1.6-3.4 in
+# the file): the IQ4 kernels multiply them, 1.7-2x faster than the file's own blocks decoded per product
+# (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
+REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139}
+REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
 # kernels re-expand every weight group per 8 rows, a dense GEMM tiles far better.
@@ -234,6 +241,10 @@ class Linear:
             blocks.view(torch.uint8).reshape(n, -1)
         if raw.shape[1] != k // qk * bb:
             raise ValueError(f"a {name} row of {k} weights needs {k // qk * bb} bytes, got {raw.shape[1]}")
+        if reblock and fmt in REENCODE:
+            coded = _reencoded(fmt, raw, n, k)
+            if coded is not None:
+                return coded
         lib = load_library() if reblock and fmt in REBLOCK and k % 64 == 0 else None
         if lib is not None:
             src = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw.contiguous()
@@ -251,9 +262,11 @@ class Linear:
 
     def ggml_blocks(self) -> "Linear":
         """A re-blocked weight as the ggml blocks it came from (the inverse of `from_raw`'s
-        re-blocking; other weights as they are)."""
+        re-blocking; other weights as they are). Not for the re-encoded types (REENCODE)."""
         if not self.reblocked:
             return self
+        if self.fmt in REENCODED:
+            raise ValueError(f"a {self.format_name} weight re-encoded at load keeps no ggml blocks")
         src = REBLOCKED[self.fmt]
         n, g = self.n, self.k // 32
         d = self.data.contiguous().numpy().reshape(n, -1)
@@ -312,7 +325,7 @@ class Linear:
     def block_cols(self, c0: int, c1: int) -> "Linear | None":
         """Columns [c0, c1) of a re-blocked weight, still packed (None when they do not start and end
         on the blocks it came from)."""
-        if not self.reblocked:
+        if not self.reblocked or self.fmt in REENCODED:
             return None
         g = self.ggml_blocks()
         _, qk, bb = RAW_TYPES[g.fmt]
@@ -650,6 +663,42 @@ def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 _NUMPY_DTYPES = {torch.uint8, torch.int8, torch.float16, torch.float32}
+REENCODED = set(REENCODE.values())
+
+
+def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear | None":
+    """A REENCODE type's blocks as our 4-bit planes (`ss_reencode`), or None to keep the file's blocks: no
+    native library, K not whole blocks of the layout, SLIPSTREAM_IQ_IN_PLACE=1, the copy would not fit in the
+    memory available, or a block whose values the layout cannot hold exactly."""
+    lib = load_library()
+    mxfp4 = fmt == 39
+    if lib is None or k % (64 if mxfp4 else 256) or os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0"):
+        return None
+    size = n * (k // 32 * 18 if mxfp4 else k // 256 * 136)
+    free = available_memory()
+    if free is not None and size > free // 2:   # half of what is free: the rest of the model, the KV cache
+        return None
+    install_grids(lib)
+    src = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw.contiguous()
+    out = aligned_empty((n, size // n), np.uint8)
+    fn = lib.ss_reencode
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    if not fn(fmt, src.ctypes.data if isinstance(src, np.ndarray) else src.data_ptr(), n, k, out.ctypes.data):
+        return None
+    return Linear(n, k, torch.from_numpy(out), REENCODE[fmt])
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel says can be had without swapping (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _raw_dequantize(w: Linear) -> torch.Tensor:

@@ -422,8 +422,8 @@ static int check_iq4_rows8(void) {
             for (int r = 0; r < 8; r++) p[r] = rb[r];
             for (int nb = 1; nb <= MAX_ROWS; nb++) {
                 __m256 out[MAX_ROWS];
-#define RNL(NB) do { if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, p, K, xq, xd, xs, NB, NULL, 0, out); \
-                     else qt_rbnl_rows8(QT_R_IQ4_XS, p, K, xq, xd, xs, NB, NULL, 0, out); } while (0)
+#define RNL(NB) do { if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, &QT_VALUES_IQ4, p, K, xq, xd, xs, NB, NULL, 0, out); \
+                     else qt_rbnl_rows8(QT_R_IQ4_XS, &QT_VALUES_IQ4, p, K, xq, xd, xs, NB, NULL, 0, out); } while (0)
                 SS_BY_ROWS(nb, RNL)
 #undef RNL
                 ok &= rows8_match("iq4", t, K, nb, out, code, off, sc, mn, xq, xd, xs);

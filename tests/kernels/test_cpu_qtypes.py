@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 
 from slipstream.kernels.cpu import load_library
 from slipstream.weights.gguf import _q4k_linear
-from slipstream.weights.quant import RAW_TYPES, Linear, concat_rows
+from slipstream.weights.quant import REENCODE, RAW_TYPES, Linear, concat_rows
 
 lib = load_library()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: native kernels unavailable")
@@ -26,9 +26,9 @@ def random_blocks(qt: QT, n: int, k: int, seed: int = 0):
     return support.random_blocks(int(qt), n, k, seed)
 
 
-def as_linear(qt: QT, blocks: np.ndarray, n: int, k: int) -> Linear:
+def as_linear(qt: QT, blocks: np.ndarray, n: int, k: int, reblock: bool = True) -> Linear:
     if int(qt) in RAW_TYPES:
-        return Linear.from_raw(int(qt), blocks, n, k)
+        return Linear.from_raw(int(qt), blocks, n, k, reblock=reblock)
     return Linear.from_blocks(int(qt), blocks, n, k)
 
 
@@ -78,16 +78,23 @@ def native_product(w: Linear, x: torch.Tensor, exact: bool) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("qt", [QT(t) for t in RAW_TYPES], ids=lambda t: t.name)
+# the re-encoded types (weights/quant.py REENCODE) also as the file's blocks (iqtypes.h's decoders), which they
+# stay with SLIPSTREAM_IQ_IN_PLACE=1 or short of memory
+PRODUCT_CASES = [(QT(t), True) for t in RAW_TYPES] + [(QT(t), False) for t in REENCODE]
+
+
+@pytest.mark.parametrize("qt,reblock", PRODUCT_CASES, ids=lambda c: c.name if isinstance(c, QT) else
+                         ("" if c else "in-place"))
 @pytest.mark.parametrize("rows", [1, 3, 9])
-def test_native_products(qt: QT, rows: int) -> None:
+def test_native_products(qt: QT, reblock: bool, rows: int) -> None:
     n, k = 7, 512
     if qt in (QT.F16, QT.BF16):
         w32 = torch.randn(n, k, generator=torch.Generator().manual_seed(2))
         blocks = w32.to(torch.float16 if qt == QT.F16 else torch.bfloat16).view(torch.uint8).numpy()
     else:
         blocks = random_blocks(qt, n, k, seed=3)
-    w = as_linear(qt, blocks, n, k)
+    w = as_linear(qt, blocks, n, k, reblock)
+    assert w.reblocked == (reblock and int(qt) in REENCODE) or int(qt) not in REENCODE
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(4))
     ref = x.double() @ w.dequantize().double().T
     scale = ref.abs().max().item()

@@ -1,9 +1,11 @@
-"""GGUF's lattice types (IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S), ternary TQ1_0/TQ2_0 and MXFP4: read in place.
+"""GGUF's lattice types (IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S), ternary TQ1_0/TQ2_0 and MXFP4.
 
 Their decoding and products are checked per type in tests/kernels/test_cpu_qtypes.py (bit-exact against
-gguf-py, on every x86 build via test_isa_builds.py). Here, what a file of them gets:
-- every weight type gguf-py decodes is one the loader reads, and these keep the file's bytes (no copy);
-- a file with such tensors loads without a warning, its products on the file's own blocks;
+gguf-py, on every x86 build via test_isa_builds.py), the file's blocks and the re-encoded planes both. Here,
+what a file of them gets:
+- every weight type gguf-py decodes is one the loader reads; each keeps every value, re-encoded into the IQ4
+  kernels' planes where its blocks allow it, else (or on request, or short of memory) the file's blocks;
+- a file with such tensors loads without a warning;
 - the grids come from gguf-py, which is imported only for files that hold such types;
 - a tiny llama of them gives transformers' greedy tokens (tests/models/test_llama.py, "lattice" and "down_*").
 """
@@ -37,15 +39,51 @@ def test_every_type_gguf_py_decodes_is_read():
     assert {GGMLType(int(t)) for t in TYPES} <= RAW_QTYPES - PACKED_TYPES
 
 
-@pytest.mark.parametrize("qt", TYPES, ids=[t.name for t in TYPES])
-def test_the_file_bytes_are_used_in_place(qt):
-    raw = random_blocks(int(qt), N, K, seed=int(qt), size=0.05)
-    lin = _linear_from_raw(GGMLType(int(qt)), raw, N, K)
-    assert lin.fmt == int(qt) and lin.format_name == qt.name and (lin.n, lin.k) == (N, K)
-    assert lin.data.data_ptr() == raw.ctypes.data   # a view of the file's blocks, not a copy
+REENCODED = [QT.IQ2_XXS, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.TQ1_0, QT.TQ2_0, QT.MXFP4]
+
+
+def _exact(lin, raw, qt):
     ref = gguf.quants.dequantize(raw, qt).reshape(N, K).astype(np.float32)
     assert np.array_equal(lin.dequantize().numpy().view(np.int32), ref.view(np.int32))
     assert np.abs(ref).max() > 0.01   # the blocks are not all zero
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=[t.name for t in TYPES])
+def test_each_type_keeps_every_value(qt, monkeypatch):
+    """The types whose weights are one of 16 values times a per-32 scale become 4-bit planes the IQ4 kernels
+    read (4.25 bits a weight; MXFP4 4.5), the per-16 ones (IQ2_XS, IQ2_S, IQ1_M) stay the file's blocks; with
+    SLIPSTREAM_IQ_IN_PLACE=1 every type stays the file's blocks. Either way bit-exact against gguf-py."""
+    raw = random_blocks(int(qt), N, K, seed=int(qt), size=0.05)
+    lin = _linear_from_raw(GGMLType(int(qt)), raw, N, K)
+    assert lin.format_name == qt.name and (lin.n, lin.k) == (N, K)
+    _exact(lin, raw, qt)
+    if qt in REENCODED and native_available():
+        assert lin.fmt == 100 + int(qt) and lin.reblocked
+        assert lin.data.shape == (N, K // 32 * 18 if qt == QT.MXFP4 else K // 256 * 136)
+    else:
+        assert lin.fmt == int(qt) and lin.data.data_ptr() == raw.ctypes.data   # a view of the file's blocks
+    monkeypatch.setenv("SLIPSTREAM_IQ_IN_PLACE", "1")
+    kept = _linear_from_raw(GGMLType(int(qt)), raw, N, K)
+    assert kept.fmt == int(qt) and kept.data.data_ptr() == raw.ctypes.data
+    _exact(kept, raw, qt)
+
+
+@pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
+def test_blocks_the_planes_cannot_hold_stay_in_place(monkeypatch):
+    """MXFP4's scale is a power of two from 2^-127 to 2^127, IQ4_NL's an fp16: a matrix with one block out of
+    fp16's range keeps the file's blocks (and its values); so does one whose copy would not fit in half the
+    memory available."""
+    import slipstream.weights.quant as quant
+    raw = random_blocks(int(QT.MXFP4), N, K, seed=4, size=0.05)
+    raw.reshape(N, -1, 17)[5, 3, 0] = 250   # 2^122
+    lin = _linear_from_raw(GGMLType.MXFP4, raw, N, K)
+    assert lin.fmt == int(QT.MXFP4)
+    _exact(lin, raw, QT.MXFP4)
+    raw = random_blocks(int(QT.IQ3_S), N, K, seed=5, size=0.05)
+    monkeypatch.setattr(quant, "available_memory", lambda: 2 * N * K // 256 * 136 - 2)
+    assert _linear_from_raw(GGMLType.IQ3_S, raw, N, K).fmt == int(QT.IQ3_S)
+    monkeypatch.setattr(quant, "available_memory", lambda: 2 * N * K // 256 * 136)
+    assert _linear_from_raw(GGMLType.IQ3_S, raw, N, K).fmt == 100 + int(QT.IQ3_S)
 
 
 def test_the_grids_are_gguf_pys():
@@ -104,8 +142,7 @@ def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
     assert layer.down.format_name == "IQ3_S" and layer.o.format_name == "TQ1_0"
     assert weights["embed"].format_name == "IQ1_M"
     lo, hi = reader.data.ctypes.data, reader.data.ctypes.data + reader.data.nbytes
-    for w in (layer.down, layer.o, weights["embed"]):   # in the memory map: the file's bytes are the weights
-        assert lo <= w.data.data_ptr() < hi
+    assert lo <= weights["embed"].data.data_ptr() < hi   # IQ1_M (per-16 scales): the file's blocks, in the map
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ layer.down.dequantize().double().T
     assert torch.allclose(layer.down(x).double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))

@@ -26,6 +26,11 @@ enum {
     // type; same bytes per row as the ggml blocks, laid out by planes so the products read them as the
     // 4-bit kernels read theirs (see qt_rb_q8_row, qt_rb6_q8_row)
     QT_R_Q5_0 = 106, QT_R_Q5_1 = 107, QT_R_Q5_K = 113, QT_R_Q6_K = 114, QT_R_IQ4_NL = 120, QT_R_IQ4_XS = 123,
+    // ours: lattice and ternary types whose every block is a 4-bit code into 16 values with a per-32 scale
+    // d (ls - 32), re-encoded at load into IQ4_XS's planes with their own 16 values (4.25 bits a weight;
+    // quant_matvec.c's ss_reencode, exact), and MXFP4 into IQ4_NL's (4.5); the IQ4 kernels multiply them
+    QT_R_IQ2_XXS = 116, QT_R_IQ3_XXS = 118, QT_R_IQ1_S = 119, QT_R_IQ3_S = 121, QT_R_TQ1_0 = 134, QT_R_TQ2_0 = 135,
+    QT_R_MXFP4 = 139,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -48,6 +53,8 @@ static inline int qt_block(int t) {
     case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q5_1: case QT_Q8_0: case QT_IQ4_NL: return 32;
     case QT_R_Q5_0: case QT_R_Q5_1: case QT_R_IQ4_NL: return 32;
     case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
+    case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 256;
+    case QT_R_MXFP4: return 32;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: case QT_IQ1_M:
     case QT_TQ1_0: case QT_TQ2_0: return 256;
@@ -63,6 +70,8 @@ static inline int qt_bytes(int t) {
     case QT_Q8_0: return 34; case QT_IQ4_NL: return 18;
     case QT_R_Q5_0: return 22; case QT_R_Q5_1: return 24; case QT_R_IQ4_NL: return 18; case QT_R_Q6_K: return 210;
     case QT_R_IQ4_XS: return 136; case QT_R_Q5_K: return 176;
+    case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 136;
+    case QT_R_MXFP4: return 18;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     case QT_IQ2_XXS: return 66; case QT_IQ2_XS: return 74; case QT_IQ2_S: return 82; case QT_IQ3_XXS: return 98;
@@ -76,8 +85,17 @@ static inline int qt_has_min(int t) {
     return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1 || t == QT_R_Q5_K;
 }
 
+// the re-encoded types of IQ4_XS's layout (and MXFP4 of IQ4_NL's)
+static inline int qt_rb_xs(int t) {
+    return t == QT_R_IQ4_XS || t == QT_R_IQ2_XXS || t == QT_R_IQ3_XXS || t == QT_R_IQ1_S || t == QT_R_IQ3_S ||
+           t == QT_R_TQ1_0 || t == QT_R_TQ2_0;
+}
+// the layout whose kernels multiply t's rows: IQ4_XS's or IQ4_NL's for the re-encoded types, else t itself
+static inline int qt_rb_layout(int t) { return qt_rb_xs(t) ? QT_R_IQ4_XS : t == QT_R_MXFP4 ? QT_R_IQ4_NL : t; }
+
 static inline int qt_rb(int t) {
-    return t == QT_R_Q5_0 || t == QT_R_Q5_1 || t == QT_R_Q5_K || t == QT_R_IQ4_NL || t == QT_R_IQ4_XS;
+    const int l = qt_rb_layout(t);
+    return l == QT_R_Q5_0 || l == QT_R_Q5_1 || l == QT_R_Q5_K || l == QT_R_IQ4_NL || l == QT_R_IQ4_XS;
 }
 
 // IEEE half -> float, exactly (subnormals included), without relying on F16C
@@ -98,7 +116,34 @@ static inline float qt_bf16(const uint8_t *p) {
     return f;
 }
 
-static const int8_t QT_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t QT_KVALUES[16] __attribute__((aligned(16))) = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// What an IQ4-layout row's codes index: 16 values, and dk, the power of two its fp16 d is multiplied by (the
+// re-encoded types keep the file's d: IQ2_XXS's scale is d / 8 (2 l + 1), IQ3_XXS's d / 4 (2 l + 1), IQ1_S's
+// d / 8 (2 s + 1), the 8 of IQ1's 8 g +- 1 included). Values ascending, unused entries 0: the signed grid values
+// of IQ2 (8, 25, 43), IQ3_XXS (4 .. 52, 62), IQ3_S (odd 1 .. 15); IQ1_S's 8 g +- 1; ternary -1, 0, 1 (and 2,
+// which TQ2_0's two bits can hold); MXFP4 as its codes are.
+typedef struct {
+    int8_t v[16] __attribute__((aligned(16)));
+    float dk;
+} QTValues;
+static const QTValues QT_VALUES_IQ4 = {{-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}, 1.f};
+static const QTValues QT_VALUES_IQ2 = {{-43, -25, -8, 8, 25, 43}, 0.125f};
+static const QTValues QT_VALUES_IQ3XXS = {{-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62}, 0.25f};
+static const QTValues QT_VALUES_IQ3S = {{-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15}, 1.f};
+static const QTValues QT_VALUES_IQ1 = {{-9, -7, -1, 1, 7, 9}, 0.125f};
+static const QTValues QT_VALUES_TERNARY = {{-1, 0, 1, 2}, 1.f};
+static const QTValues QT_VALUES_MXFP4 = {{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, 1.f};
+static inline const QTValues *qt_kv(int t) {
+    switch (t) {
+    case QT_R_IQ2_XXS: return &QT_VALUES_IQ2;
+    case QT_R_IQ3_XXS: return &QT_VALUES_IQ3XXS;
+    case QT_R_IQ3_S: return &QT_VALUES_IQ3S;
+    case QT_R_IQ1_S: return &QT_VALUES_IQ1;
+    case QT_R_TQ1_0: case QT_R_TQ2_0: return &QT_VALUES_TERNARY;
+    case QT_R_MXFP4: return &QT_VALUES_MXFP4;
+    default: return &QT_VALUES_IQ4;
+    }
+}
 
 // the 6-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes -> 8 + 8)
 static inline void qt_k_scales(const uint8_t *s, int sc[8], int mn[8]) {
@@ -405,13 +450,14 @@ AI void qt_rb_high4(const uint8_t *p, __m256i h[4]) {
 
 // signed int8 codes and per-32 fp32 scales and offsets of a re-blocked row: the same values as
 // qt_unpack gives for the ggml blocks it came from (Q5_0's codes c - 16, IQ4_NL's looked up)
-AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
-    const int G = K / 32, G4 = G & ~3;
+AI void qt_rb_unpack_row(const int t0, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
+    const QTValues *kvt = qt_kv(t0);
+    const int t = qt_rb_layout(t0), G = K / 32, G4 = G & ~3;
     const uint8_t *hb = w + 16 * G;
     if (t == QT_R_IQ4_XS || t == QT_R_Q5_K) {   // per super-block: its fp16 scales widened once
         for (int g0 = 0; g0 < G; g0 += 8) {
             const uint8_t *h = t == QT_R_IQ4_XS ? hb + g0 : w + 20 * G + 2 * g0;
-            const float d = qt_f16(t == QT_R_IQ4_XS ? h : h + 12), dm = t == QT_R_Q5_K ? qt_f16(h + 14) : 0.f;
+            const float d = qt_f16(t == QT_R_IQ4_XS ? h : h + 12) * kvt->dk, dm = t == QT_R_Q5_K ? qt_f16(h + 14) : 0.f;
             for (int i = 0; i < 8; i++) {
                 sc[g0 + i] = d * (float)(t == QT_R_IQ4_XS ? qt_xs_ls(h, i) : qt_r5k_field(h, i, 0));
                 mn[g0 + i] = t == QT_R_Q5_K ? -(dm * (float)qt_r5k_field(h, i, 1)) : 0.f;
@@ -426,7 +472,7 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
     int g0 = 0;
 #if defined(SS_AVX2)
     // four groups per step, as the fast product reads them
-    const __m256i m4 = _mm256_set1_epi8(15), kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    const __m256i m4 = _mm256_set1_epi8(15), kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvt->v));
     for (; g0 + 4 <= G; g0 += 4) {
         __m256i c[4];
         qt_rb_nibbles4(w + 16 * g0, m4, c);
@@ -448,7 +494,7 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
         const __m256i v = _mm256_loadu_si256((const __m256i *)pb);
         __m256i c = qt_field(v, shift, 15);
         if (!qt_rb_q5(t)) {
-            qt_store(o, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES)), c));
+            qt_store(o, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvt->v)), c));
             continue;
         }
         uint32_t qh;   // the last pair (G % 4 == 2): the groups before it went four at a time above
@@ -460,7 +506,7 @@ AI void qt_rb_unpack_row(const int t, const uint8_t *w, int K, int8_t *q, float 
         for (int j = 0; j < 32; j++) {
             const int c = (pb[j] >> shift) & 15;
             if (!qt_rb_q5(t)) {
-                o[j] = QT_KVALUES[c];
+                o[j] = kvt->v[c];
                 continue;
             }
             const int h = g < G4 ? (hb[16 * (g / 4) + (j & 15)] >> ((g & 3) + 4 * (j >> 4))) & 1
@@ -531,8 +577,8 @@ AI __m128 qt_f16x4(const uint8_t *p) {   // four fp16 values -> fp32
 // scales and minimums decoded at each super-block's first group); IQ4_NL's and IQ4_XS's looked-up
 // codes are signed (their sign moves to the activation, as q8q8_row does); IQ4_XS's four scales
 // d (ls - 32) decoded from the super-block header by variable shifts
-AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
-                     int nb, float *out) {
+AI void qt_rb_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, const int8_t *xq, const float *xd,
+                     const float *xs, int nb, float *out) {
     const int G = K / 32, q5 = qt_rb_q5(t), mins = q5;
     const uint8_t *hb = w + 16 * G, *dh = qt_rb_scales(t, w, G), *mh = dh + 2 * G;
     // scales widened four at a time; the offset term (Q5_0: -16 d, Q5_1: m) in the same pass
@@ -540,7 +586,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
     __m256 acc1[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps(), acc1[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvt->v));
     __m256 xs8 = _mm256_setzero_ps(), xm8 = xs8;   // IQ4_XS, Q5_K: the current super-block's scales (and offsets)
     int g = 0;
     for (; g + 4 <= G; g += 4) {
@@ -568,7 +614,7 @@ AI void qt_rb_q8_row(const int t, const uint8_t *w, int K, const int8_t *xq, con
                 const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h[2] | (h[3] << 8)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
                                                     _mm256_set1_epi32(3));
                 const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
-                xs8 = _mm256_mul_ps(_mm256_set1_ps(qt_f16(h)), _mm256_cvtepi32_ps(ls));
+                xs8 = _mm256_mul_ps(_mm256_set1_ps(qt_f16(h) * kvt->dk), _mm256_cvtepi32_ps(ls));
             }
             s4 = g & 4 ? _mm256_extractf128_ps(xs8, 1) : _mm256_castps256_ps128(xs8);
         } else if (t == QT_R_Q5_K) {
@@ -997,13 +1043,13 @@ AI void qt_rb5_rows8(const int t, const uint8_t *const w[8], int K, const int8_t
 // Per (weight row n, activation row m), in group order: acc = fma(float(sum) * xd[m][g], s[n][g], acc) (and the
 // offset's fma on VNNI); s = d (IQ4_NL) or d x (ls - 32) (IQ4_XS), the planes' very values. Either way the
 // group's integer sum is exact; the fp32 order is one for every activation row count.
-AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_t *xq, const float *xd,
+AI void qt_rbnl_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8], int K, const int8_t *xq, const float *xd,
                       const float *xs, int nb, const char *pf, int64_t pf_group, __m256 out[MAX_ROWS]) {
     const int G = K / 32, G4 = G & ~3;
     __m256 acc[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)QT_KVALUES));
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvt->v));
 #ifdef SS_VNNI
     const __m256i lut = _mm256_xor_si256(kv, _mm256_set1_epi8((char)0x80));   // k + 128, unsigned
 #else
@@ -1022,7 +1068,7 @@ AI void qt_rbnl_rows8(const int t, const uint8_t *const w[8], int K, const int8_
                 }
                 H0 = _mm256_loadu_si256((const __m256i *)a), H1 = _mm256_loadu_si256((const __m256i *)c);
             }
-            const __m256 d = qt8_f16_lanes(H0);
+            const __m256 d = _mm256_mul_ps(qt8_f16_lanes(H0), _mm256_set1_ps(kvt->dk));
             const __m256i f4 = _mm256_set1_epi32(15), f2 = _mm256_set1_epi32(3);
             for (int e = 0; e < 4; e++) {   // ls = scales_l nibble i | (scales_h bits 2i, 2i + 1) << 4
                 const int i = (g0 & 7) + e;
@@ -1116,7 +1162,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
 #if defined(SS_AVX2)
     if (qt_rb(t)) {
-        qt_rb_q8_row(t, w, K, xq, xd, xs, nb, out);
+        qt_rb_q8_row(qt_rb_layout(t), qt_kv(t), w, K, xq, xd, xs, nb, out);
         return;
     }
 #endif
@@ -1197,15 +1243,20 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
 #define QT_EACH_BLOCK_TYPE(X) X(QT_Q4_0) X(QT_Q4_1) X(QT_Q5_0) X(QT_Q5_1) X(QT_Q8_0) X(QT_Q2_K) X(QT_Q3_K) \
     X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
     X(QT_R_Q5_K) X(QT_R_Q6_K) X(QT_IQ2_XXS) X(QT_IQ2_XS) X(QT_IQ2_S) X(QT_IQ3_XXS) X(QT_IQ3_S) X(QT_IQ1_S) X(QT_IQ1_M) \
-    X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4)
+    X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4) X(QT_R_IQ2_XXS) X(QT_R_IQ3_XXS) X(QT_R_IQ1_S) X(QT_R_IQ3_S) X(QT_R_TQ1_0) \
+    X(QT_R_TQ2_0) X(QT_R_MXFP4)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
 #if defined(SS_AVX2)
     // the re-blocked types with the row count a compile-time constant (accumulators in registers)
     switch (t) {
-#define QT_RB_ROWS(NB) qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out)
+#define QT_RB_ROWS(NB) qt_rb_q8_row(T_, qt_kv(t), w, K, xq, xd, xs, NB, out)
 #define QT_RB_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
+    // the re-encoded types on their layout's kernels, with their own values
+    case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0:
+        { enum { T_ = QT_R_IQ4_XS }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
+    case QT_R_MXFP4: { enum { T_ = QT_R_IQ4_NL }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
 #define QT_RB6_ROWS(NB) qt_rb6_q8_row(w, K, xq, xd, NB, out)
     QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL) QT_RB_CASE(QT_R_IQ4_XS) QT_RB_CASE(QT_R_Q5_K)
     case QT_R_Q6_K: SS_BY_ROWS(nb, QT_RB6_ROWS) return;

@@ -18,6 +18,7 @@
 // If accumulate != 0 the result is added to y (fuses the residual add).
 #include <stdint.h>
 
+#include "ops.h"
 #include "qtypes.h"
 
 int ss_parallel_threads(void);   // step.c: the team's size once configured
@@ -133,4 +134,69 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
         if (qtype == QT_Q6_K) qt_rb6_pack_row(src + r * row, K, dst + r * row);
         else qt_rb_pack_row(qtype, src + r * row, K, dst + r * row);
     }
+}
+
+// The lattice and ternary types whose blocks are, weight for weight, a 4-bit code into 16 values with a
+// per-32 scale d dk (ls - 32), d the file's fp16 (IQ2_XXS: dk = 1/8, ls - 32 = 2 l + 1; IQ3_XXS: 1/4; IQ1_S:
+// 1/8, the values 8 g +- 1; IQ3_S: 1, 1 + 2 s; TQ1_0, TQ2_0: 1, 1) -> IQ4_XS blocks of those codes (qtypes.h's
+// qt_kv(QT_R_*): the values and dk), re-blocked (QT_R_*); MXFP4 -> IQ4_NL blocks (its scale as an fp16, its
+// codes as they are). Every weight keeps its value: a block where that does not hold (a code outside the 16,
+// MXFP4's exponent out of fp16's range) makes the whole call return 0, and the caller keeps the file's blocks. n rows of K weights (K a multiple of
+// 256, of 64 for MXFP4); dst: n rows of K / 256 x 136 bytes (MXFP4: K / 32 x 18). Returns 1 when done.
+int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
+    const int nl = qtype == QT_MXFP4, rt = 100 + qtype;
+    if (!qt_rb(rt) || (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && !qt_grids.ready)) return 0;
+    const int64_t in_row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype), out_row = (int64_t)K / qt_block(rt) * qt_bytes(rt);
+    const int d_at = qtype == QT_TQ1_0 ? 52 : qtype == QT_TQ2_0 ? 64 : 0;
+    const QTValues *vals = qt_kv(rt);
+    const int8_t *kv = vals->v;
+    int8_t code_of[256];   // value -> its index among the 16 (-1: not one of them)
+    memset(code_of, -1, sizeof code_of);
+    for (int c = 15; c >= 0; c--) code_of[(uint8_t)kv[c]] = (int8_t)c;   // 0 of a short table: its first index
+    int ok = 1;
+#pragma omp parallel for schedule(static) num_threads(ss_parallel_threads()) reduction(&& : ok)
+    for (int64_t r = 0; r < n; r++) {
+        uint8_t *blocks = malloc((size_t)out_row);
+        if (!blocks) {
+            ok = 0;
+            continue;
+        }
+        const uint8_t *row = src + r * in_row;
+        int good = 1;
+        if (nl) {
+            for (int g = 0; g < K / 32 && good; g++) {   // e8m0 + 16 code bytes -> fp16 d + the same bytes
+                const float d = qt_e8m0_half(row[17 * g]);
+                const uint16_t h = ss_f32_to_half(d);
+                good = qt_f16((const uint8_t *)&h) == d;
+                memcpy(blocks + 18 * g, &h, 2);
+                memcpy(blocks + 18 * g + 2, row + 17 * g + 1, 16);
+            }
+        } else {
+            for (int b = 0; b < K / 256 && good; b++) {
+                const uint8_t *p = row + (int64_t)b * qt_bytes(qtype);
+                uint8_t *o = blocks + 136 * b;
+                QTBlock u;
+                qt_unpack(qtype, p, &(QTOut){u.q, u.sc, u.mn});
+                const float dx = qt_f16(p + d_at) * vals->dk;   // exact: a power of two
+                memset(o, 0, 136);
+                memcpy(o, p + d_at, 2);
+                for (int i = 0; i < 8 && good; i++) {
+                    const float m = dx != 0.f ? u.sc[2 * i] / dx : 0.f;
+                    const int ls = (int)m + 32;
+                    good = (float)(int)m == m && ls >= 0 && ls < 64 && dx * (float)(ls - 32) == u.sc[2 * i];
+                    o[2 + i / 4] |= (uint8_t)((ls >> 4) << (2 * (i % 4)));
+                    o[4 + i / 2] |= (uint8_t)((ls & 15) << (4 * (i & 1)));
+                    for (int l = 0; l < 16 && good; l++) {
+                        const int lo = code_of[(uint8_t)u.q[32 * i + l]], hi = code_of[(uint8_t)u.q[32 * i + 16 + l]];
+                        good = lo >= 0 && hi >= 0;
+                        o[8 + 16 * i + l] = (uint8_t)(lo | hi << 4);
+                    }
+                }
+            }
+        }
+        if (good) qt_rb_pack_row(nl ? QT_IQ4_NL : QT_IQ4_XS, blocks, K, dst + r * out_row);
+        free(blocks);
+        ok = ok && good;
+    }
+    return ok;
 }

@@ -229,7 +229,7 @@ __attribute__((constructor)) static void rows8_default(void) {
 static inline int rows8_on(const SSMat *m) {
     const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
                   : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
-                  : m->qtype == QT_R_IQ4_NL || m->qtype == QT_R_IQ4_XS ? 32 : 0;
+                  : qt_rb_layout(m->qtype) == QT_R_IQ4_NL || qt_rb_layout(m->qtype) == QT_R_IQ4_XS ? 32 : 0;
     return (rows8_usable & bit) != 0;
 }
 
@@ -462,7 +462,8 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
 // (qt_rb5_rows8, qt_rbnl_rows8)
 __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k, t = m->qtype;
+    const int K = m->k, t = qt_rb_layout(m->qtype);
+    const QTValues *kvt = qt_kv(m->qtype);
     for (int n = n0; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
         const uint8_t *w[8];
@@ -474,8 +475,8 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
         if (t == QT_R_Q5_0) qt_rb5_rows8(QT_R_Q5_0, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);  \
         else if (t == QT_R_Q5_1) qt_rb5_rows8(QT_R_Q5_1, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
         else if (t == QT_R_Q5_K) qt_rb5_rows8(QT_R_Q5_K, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else qt_rbnl_rows8(QT_R_IQ4_XS, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
+        else if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, kvt, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
+        else qt_rbnl_rows8(QT_R_IQ4_XS, kvt, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
         SS_BY_ROWS(nb, Q5I)
 #undef Q5I
         rows8_store(m, out, nb, n, live, y, ystride, accumulate);
@@ -505,14 +506,16 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
             *yo = accumulate ? *yo + v : v;                                                         \
         }                                                                                           \
     }
-#define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, w, K, xq, xd, xs, NB, out))
+#define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, kvt, w, K, xq, xd, xs, NB, out))
 #define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
-    if ((qt_rb_q5(m->qtype) || m->qtype == QT_R_IQ4_NL || m->qtype == QT_R_IQ4_XS) && rows8_on(m)) {
+    const int layout = qt_rb_layout(m->qtype);
+    const QTValues *kvt = qt_kv(m->qtype);
+    if ((qt_rb_q5(layout) || layout == QT_R_IQ4_NL || layout == QT_R_IQ4_XS) && rows8_on(m)) {
         q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
         return 1;
     }
-    switch (m->qtype) {
+    switch (layout) {
     QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
     case QT_R_Q6_K:
         if (rows8_on(m)) {
