@@ -162,10 +162,15 @@ def render(r: Report) -> str:
         f"chat template  {r.chat_template}",
         "tensor types   " + ("(none read)" if not r.types else ""),
     ]
+    from slipstream.weights.quant import RAW_TYPES, REENCODE
+    in_place = os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0")
+    reencoded = {RAW_TYPES[t][0] for t in REENCODE} if r.format == "gguf" and not in_place else set()
     for name, s in sorted(r.types.items(), key=lambda kv: -kv[1].params):
         share = 100.0 * s.params / max(1, r.parameters)
         size = f", {_human(s.bytes)}" if s.bytes else ""
-        lines.append(f"  {name:<8} {s.tensors:>4} tensors, {share:5.1f}% of weights{size}")
+        note = (f", re-encoded at load into 4-bit planes ({4.5 if name == 'MXFP4' else 4.25} bits a weight)"
+                if name in reencoded else "")
+        lines.append(f"  {name:<8} {s.tensors:>4} tensors, {share:5.1f}% of weights{size}{note}")
     lines.append(f"runtime        {r.runtime} (what --runtime auto picks here)")
     for rt, why in r.runtimes.items():
         lines.append(f"  {rt:<11} {'can run it' if why == 'ok' else 'no: ' + why}")
