@@ -1124,6 +1124,81 @@ AI void qt_rbnl_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 
+#if defined(SS_AVX512) && defined(SS_VNNI)
+// qt_rbnl_rows8's VNNI arithmetic over 16 weight rows at once, lanes = rows of 512-bit registers (the same
+// operations lane for lane, so the same bits): for CPUs whose 512-bit vpdpbusd runs at the 256-bit one's rate
+// (amx.h's twin_from_rows), where the IQ4 layouts' batches and prompt chunks otherwise ran at half the q4 twin's
+// rate. The code bytes are rows8_t16's transposes of rows 0-7 and 8-15, joined; w[16] rows (a row past the
+// range's end may repeat the last); pf: the next block of 16 rows, pf_group bytes of it per group.
+AI void qt_rbnl_rows16(const int t, const QTValues *kvt, const uint8_t *const w[16], int K, const int8_t *xq,
+                       const float *xd, const float *xs, int nb, const char *pf, int64_t pf_group,
+                       __m512 out[MAX_ROWS]) {
+    const int G = K / 32, G4 = G & ~3;
+    __m512 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_xor_si128(_mm_load_si128((const __m128i *)kvt->v), _mm_set1_epi8((char)0x80)));
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int ng = g0 < G4 ? 4 : G - g0;
+        __m512 s4[4];
+        if (t == QT_R_IQ4_XS) {   // the header of groups 8 s .. 8 s + 7 at 16 G + 8 s of each row
+            int32_t a[16], c[16];
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *h = w[r] + 16 * (int64_t)G + (g0 / 8) * 8;
+                memcpy(&a[r], h, 4), memcpy(&c[r], h + 4, 4);
+            }
+            const __m512i H0 = _mm512_loadu_si512(a), H1 = _mm512_loadu_si512(c);
+            const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(H0)), _mm512_set1_ps(kvt->dk));
+            const __m512i f4 = _mm512_set1_epi32(15), f2 = _mm512_set1_epi32(3);
+            for (int e = 0; e < 4; e++) {
+                const int i = (g0 & 7) + e;
+                const __m512i ls = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(H1, 4 * i), f4),
+                                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(H0, 16 + 2 * i), f2), 4));
+                s4[e] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+            }
+        } else {   // IQ4_NL's layout: each group's fp16 scale at 16 G + 2 g
+            for (int e = 0; e < ng; e++) {
+                uint16_t h[16];
+                for (int r = 0; r < 16; r++) memcpy(&h[r], w[r] + 16 * (int64_t)G + 2 * (g0 + e), 2);
+                s4[e] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+            }
+        }
+        __m512i L[8];
+        for (int e = 0; e < ng; e++) {
+            const int g = g0 + e;
+            if (pf)
+                for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
+            if (!(e & 1)) {
+                __m256i lo[8], hi[8];
+                rows8_t16(w, 16 * (int64_t)g, lo), rows8_t16(w, 16 * (int64_t)g + 16, lo + 4);
+                rows8_t16(w + 8, 16 * (int64_t)g, hi), rows8_t16(w + 8, 16 * (int64_t)g + 16, hi + 4);
+                for (int jj = 0; jj < 8; jj++) L[jj] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[jj]), hi[jj], 1);
+            }
+            __m512i c[8];
+            for (int jj = 0; jj < 8; jj++)
+                c[jj] = _mm512_shuffle_epi8(lut, _mm512_and_si512((e & 1) ? _mm512_srli_epi16(L[jj], 4) : L[jj], m4));
+            const __m512 o4 = _mm512_mul_ps(s4[e], _mm512_set1_ps(-128.f));
+            SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
+                __m512i x[8];
+                for (int j = 0; j < 8; j++) {
+                    int32_t v;
+                    memcpy(&v, a + 4 * j, 4);
+                    x[j] = _mm512_set1_epi32(v);
+                }
+                const __m512i z = _mm512_setzero_si512();
+                const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
+                const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[4], x[4]), c[5], x[5]), c[6], x[6]), c[7], x[7]);
+                const __m512 tq = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(e0, e1)), _mm512_set1_ps(xd[(int64_t)b * G + g]));
+                acc[b] = _mm512_fmadd_ps(tq, s4[e], acc[b]);
+                acc[b] = _mm512_fmadd_ps(o4, _mm512_set1_ps(xs[(int64_t)b * G + g]), acc[b]);
+            }
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
+#endif
+
 // xh[b][s]: the sum of activation row b's 16 codes of sub-block s (qt_rb6_rows8's offset term)
 AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
     for (int b = 0; b < nb; b++)

@@ -464,7 +464,27 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
     const int K = m->k, t = qt_rb_layout(m->qtype);
     const QTValues *kvt = qt_kv(m->qtype);
-    for (int n = n0; n < n1; n += 8) {
+    int n = n0;
+#if defined(SS_TWIN)
+    // IQ4 layouts, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation rows on
+    // (the same bits as 8 at a time: qt_rbnl_rows16)
+    if ((t == QT_R_IQ4_NL || t == QT_R_IQ4_XS) && nb >= twin_from_rows)
+        for (; n + 8 < n1; n += 16) {
+            const int live = n1 - n < 16 ? n1 - n : 16;
+            const uint8_t *w[16];
+            for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
+            const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
+            __m512 out[MAX_ROWS];
+#define NL16(NB) qt_rbnl_rows16(t == QT_R_IQ4_NL ? QT_R_IQ4_NL : QT_R_IQ4_XS, kvt, w, K, x->q, x->d, x->s, NB, pf, 16 * row_bytes / (K / 32), out);
+            SS_BY_ROWS(nb, NL16)
+#undef NL16
+            __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]), hi[b] = _mm512_extractf32x8_ps(out[b], 1);
+            rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
+            if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
+        }
+#endif
+    for (; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
         const uint8_t *w[8];
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
