@@ -727,6 +727,12 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         // (8 Q6_K rows at K = 2816, 18 KB, stay in a 32 KB L1), not 7 computed as 8 with their scales gathered
         if (!twin && wb < 8 && !exact && x->q && rows8_on(m)) wb = 8;
 #endif
+#if defined(SS_TWIN)
+        // the IQ4 layouts' 16-row kernel (q5i_rows) where it runs: blocks of 16 rows (17 KB at K = 2048)
+        if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS &&
+            (qt_rb_layout(m->qtype) == QT_R_IQ4_NL || qt_rb_layout(m->qtype) == QT_R_IQ4_XS))
+            wb = wb < 16 ? 16 : wb & ~15;
+#endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
             // blocks end on multiples of 8 rows (wherever n0 starts), so the 8-row kernels' blocks after the
             // first read their scales from the tile-ordered copy
