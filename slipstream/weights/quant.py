@@ -55,8 +55,8 @@ REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 # ggml types re-encoded at load -> our format id: the lattice and ternary types whose weights are each one of
 # 16 values times a per-32 scale (IQ2_XXS, IQ3_XXS, IQ1_S, IQ3_S, TQ1_0, TQ2_0) into IQ4_XS's planes with
 # their own values, MXFP4 into IQ4_NL's; every value kept (4.25 and 4.5 bits a weight, against 1.6-3.4 in
-# the file): the IQ4 kernels multiply them, 1.7-2x faster than the file's own blocks decoded per product
-# (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
+# the file): the IQ4 kernels multiply them, 3.5-5x faster per core than decoding the file's blocks in each
+# product (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
 REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139}
 REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
