@@ -107,13 +107,15 @@ def test_gguf_is_imported_only_for_files_with_grid_types(tmp_path):
 
 
 def _tiny_file(tmp_path):
+    from support import gguf_tokenizer
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=512,
-                           head_count=4, head_count_kv=4, vocab_size=64).items():
+                           head_count=4, head_count_kv=4, vocab_size=96).items():
         getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-6)
+    gguf_tokenizer(w)
     rng = np.random.default_rng(0)
-    shapes = {"token_embd": (64, 256), "blk.0.attn_q": (256, 256), "blk.0.attn_k": (256, 256),
+    shapes = {"token_embd": (96, 256), "blk.0.attn_q": (256, 256), "blk.0.attn_k": (256, 256),
               "blk.0.attn_v": (256, 256), "blk.0.attn_output": (256, 256), "blk.0.ffn_gate": (512, 256),
               "blk.0.ffn_up": (512, 256), "blk.0.ffn_down": (256, 512)}
     types = {"blk.0.ffn_down": QT.IQ3_S, "blk.0.ffn_up": QT.IQ2_XXS, "blk.0.attn_output": QT.TQ1_0,
@@ -148,3 +150,17 @@ def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
     assert torch.allclose(layer.down(x).double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     if load_library() is not None:
         assert load_library().ss_iq_grids_ready() == 1
+
+
+@pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
+def test_the_re_encoded_planes_survive_the_artifact(tmp_path):
+    """`slipstream compile` of such a file stores the re-encoded planes (and the IQ1_M blocks) as they are: the
+    artifact decodes the GGUF's greedy tokens."""
+    from slipstream import LLM, SamplingParams
+    from slipstream.compiler import compile_model
+    src, out = _tiny_file(tmp_path), tmp_path / "art"
+    compile_model(src, out)
+    a, b = LLM(src), LLM(out)
+    assert b.model.layers[0].down.fmt == a.model.layers[0].down.fmt == 100 + int(QT.IQ3_S)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in b.generate([[5, 9, 13, 40]], p)] == [o.token_ids for o in a.generate([[5, 9, 13, 40]], p)]
