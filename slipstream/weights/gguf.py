@@ -15,7 +15,8 @@ from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
-from slipstream.weights.quant import Q4_F32, RAW_TYPES, Linear, aligned, aligned_empty, concat_rows, weight_linears
+from slipstream.weights.quant import (Q4_F32, RAW_TYPES, REENCODE, Linear, aligned, aligned_empty, available_memory,
+                                      concat_rows, iq_in_place, weight_linears)
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -244,12 +245,38 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
     """Config and weights of a GGUF model; weights keyed by our own names (see models/llama.py)."""
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, str(path))
-    tensors = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         qt = QT(t.tensor_type)
         if qt not in SUPPORTED_TYPES:
             raise ModelLoadError(f"{path}: tensor {t.name} has unsupported quant type {qt.name} "
                                  f"(supported: {', '.join(sorted(x.name for x in SUPPORTED_TYPES))})")
+    with iq_in_place(not _reencoding_fits(reader, str(path))):
+        return _gguf_weights(reader, cfg, str(path))
+
+
+def _reencoding_fits(reader: GGUFFile, path: str) -> bool:
+    """Whether the file's REENCODE-type matrices (the lattice and ternary types, MXFP4), re-encoded into the IQ4
+    kernels' planes (4.25 bits a weight, 4.5 for MXFP4), fit in half the memory available; if not, they stay the
+    file's blocks, with one warning (decode is then slower: the products decode those blocks)."""
+    if os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0"):
+        return True   # asked for: the loader keeps the blocks anyway, without a word
+    need: dict[str, int] = {}
+    for t in reader.tensors:
+        if int(t.tensor_type) in REENCODE and len(t.shape) > 1:
+            name = QT(t.tensor_type).name
+            need[name] = need.get(name, 0) + int(np.prod(t.shape)) * (18 if name == "MXFP4" else 17) // 32
+    free = available_memory() if need else None
+    if free is None or sum(need.values()) <= free // 2:
+        return True
+    warnings.warn(f"{path}: its {', '.join(sorted(need))} weights stay as the file's blocks: re-encoding them for the "
+                  f"faster kernels would take {sum(need.values()) / 2**30:.1f} GiB, more than half of the "
+                  f"{free / 2**30:.1f} GiB of memory available (decode is slower; SLIPSTREAM_IQ_IN_PLACE=1 chooses this "
+                  "without the warning)", stacklevel=3)
+    return False
+
+
+def _gguf_weights(reader: GGUFFile, cfg: ModelConfig, path: str) -> tuple[ModelConfig, dict[str, Any], GGUFFile]:
+    tensors = {t.name: t for t in reader.tensors}
 
     def vec(name: str) -> torch.Tensor:
         if name not in tensors:

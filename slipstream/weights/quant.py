@@ -664,6 +664,19 @@ def _cat_rows(ts: list[torch.Tensor]) -> torch.Tensor:
 
 _NUMPY_DTYPES = {torch.uint8, torch.int8, torch.float16, torch.float32}
 REENCODED = set(REENCODE.values())
+_iq = threading.local()
+
+
+@contextlib.contextmanager
+def iq_in_place(on: bool) -> Iterator[None]:
+    """Within this block (`on`), REENCODE types stay the file's blocks: the GGUF loader's choice for a file whose
+    re-encoded copies would not fit in memory (gguf.py `_reencoding_fits`)."""
+    old = getattr(_iq, "in_place", False)
+    _iq.in_place = on or old
+    try:
+        yield
+    finally:
+        _iq.in_place = old
 
 
 def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear | None":
@@ -672,7 +685,8 @@ def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Lin
     memory available, or a block whose values the layout cannot hold exactly."""
     lib = load_library()
     mxfp4 = fmt == 39
-    if lib is None or k % (64 if mxfp4 else 256) or os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0"):
+    if lib is None or k % (64 if mxfp4 else 256) or os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0") \
+            or getattr(_iq, "in_place", False):
         return None
     size = n * (k // 32 * 18 if mxfp4 else k // 256 * 136)
     free = available_memory()

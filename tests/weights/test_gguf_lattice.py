@@ -164,3 +164,31 @@ def test_the_re_encoded_planes_survive_the_artifact(tmp_path):
     assert b.model.layers[0].down.fmt == a.model.layers[0].down.fmt == 100 + int(QT.IQ3_S)
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in b.generate([[5, 9, 13, 40]], p)] == [o.token_ids for o in a.generate([[5, 9, 13, 40]], p)]
+
+
+def test_a_file_whose_re_encoding_would_not_fit_stays_in_place_with_one_warning(tmp_path, monkeypatch):
+    """The re-encoded planes take 1.2-2.7x the bytes of these types: past half the memory available the whole
+    file keeps its blocks (tensor by tensor, a model could otherwise fill the memory before its KV cache), and the
+    user is told once; SLIPSTREAM_IQ_IN_PLACE=1 chooses that silently."""
+    import slipstream.weights.gguf as g
+    path = _tiny_file(tmp_path)
+    need = (256 * 512 + 512 * 256 + 256 * 256) * 17 // 32   # IQ3_S down, IQ2_XXS up, TQ1_0 o (IQ1_M stays)
+    monkeypatch.setattr(g, "available_memory", lambda: 2 * need - 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, weights, _ = load_gguf(path)
+    said = [str(c.message) for c in caught if "file's blocks" in str(c.message)]
+    assert len(said) == 1 and "IQ2_XXS, IQ3_S, TQ1_0" in said[0], said
+    layer = weights["layers.0"]
+    assert (layer.down.fmt, layer.o.fmt) == (int(QT.IQ3_S), int(QT.TQ1_0))
+    monkeypatch.setattr(g, "available_memory", lambda: 2 * need)
+    _, weights, _ = load_gguf(path)
+    if native_available():
+        assert weights["layers.0"].down.fmt == 100 + int(QT.IQ3_S)
+    monkeypatch.setattr(g, "available_memory", lambda: 1000)
+    monkeypatch.setenv("SLIPSTREAM_IQ_IN_PLACE", "1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, weights, _ = load_gguf(path)
+    assert not [c for c in caught if "file's blocks" in str(c.message)]
+    assert weights["layers.0"].down.fmt == int(QT.IQ3_S)
