@@ -325,8 +325,16 @@ class Linear:
     def block_cols(self, c0: int, c1: int) -> "Linear | None":
         """Columns [c0, c1) of a re-blocked weight, still packed (None when they do not start and end
         on the blocks it came from)."""
-        if not self.reblocked or self.fmt in REENCODED:
+        if not self.reblocked:
             return None
+        if self.fmt in REENCODED:   # the planes themselves: codes then (XS) 8-byte headers or (NL) fp16 scales
+            step, head = (64, 2) if self.fmt == REENCODE[39] else (256, 1)
+            if c0 % step or c1 % step:
+                return None
+            G, g0, g1 = self.k // 32, c0 // 32, c1 // 32
+            d = self.data
+            data = torch.cat([d[:, 16 * g0:16 * g1], d[:, 16 * G + head * g0:16 * G + head * g1]], dim=1).contiguous()
+            return Linear(self.n, c1 - c0, data, self.fmt)
         g = self.ggml_blocks()
         _, qk, bb = RAW_TYPES[g.fmt]
         if c0 % qk or c1 % qk:
@@ -720,6 +728,10 @@ def _raw_dequantize(w: Linear) -> torch.Tensor:
     lib = load_library()
     if w.fmt in (1, 30):   # F16, BF16: widening is exact in torch
         return w.data.contiguous().view(torch.float16 if w.fmt == 1 else torch.bfloat16).to(torch.float32).reshape(w.n, w.k)
+    if lib is None and w.fmt in REENCODED:
+        raise ValueError(f"{w.format_name} weights re-encoded at load need the native kernels to be read (an artifact "
+                         "compiled where they exist, read without a C compiler or with SLIPSTREAM_NO_NATIVE): "
+                         "load the GGUF file instead")
     if lib is None and w.reblocked:   # an artifact re-blocked elsewhere, read without a compiler
         w = w.ggml_blocks()
     data = w.data.contiguous()

@@ -192,3 +192,29 @@ def test_a_file_whose_re_encoding_would_not_fit_stays_in_place_with_one_warning(
         _, weights, _ = load_gguf(path)
     assert not [c for c in caught if "file's blocks" in str(c.message)]
     assert weights["layers.0"].down.fmt == int(QT.IQ3_S)
+
+
+@pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ2_0, QT.MXFP4], ids=lambda t: t.name)
+def test_column_cuts_of_the_planes_stay_planes(qt):
+    """Tensor parallelism cuts o and down by columns: a re-encoded weight is cut on its planes (it became dense
+    fp32), with the values of the file's columns."""
+    raw = random_blocks(int(qt), N, 1024, seed=2, size=0.05)
+    lin = _linear_from_raw(GGMLType(int(qt)), raw, N, 1024)
+    cut = lin.block_cols(256, 768)
+    assert cut is not None and cut.fmt == lin.fmt and cut.data.shape[1] == lin.data.shape[1] // 2
+    assert torch.equal(cut.dequantize(), lin.dequantize()[:, 256:768])
+    assert lin.block_cols(32, 768) is None   # not on the planes' blocks
+
+
+@pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
+def test_an_all_zero_mxfp4_block_does_not_keep_the_matrix_in_place():
+    """gguf-py's and llama.cpp's quantizers write e = 0 (2^-128, not an fp16) for a block of zeros: its values are
+    +0 whatever the scale, so the planes hold it (d = 0)."""
+    w = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32) * 0.05
+    w[4, 64:96] = 0
+    raw = gguf.quants.quantize(w, QT.MXFP4)
+    assert raw.reshape(N, -1, 17)[4, 2, 0] == 0
+    lin = _linear_from_raw(GGMLType.MXFP4, raw, N, K)
+    assert lin.fmt == 100 + int(QT.MXFP4)
+    _exact(lin, raw, QT.MXFP4)

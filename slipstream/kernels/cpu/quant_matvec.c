@@ -145,7 +145,8 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
 // 256, of 64 for MXFP4); dst: n rows of K / 256 x 136 bytes (MXFP4: K / 32 x 18). Returns 1 when done.
 int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     const int nl = qtype == QT_MXFP4, rt = 100 + qtype;
-    if (!qt_rb(rt) || (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && !qt_grids.ready)) return 0;
+    if ((!qt_rb_xs(rt) || rt == QT_R_IQ4_XS) && rt != QT_R_MXFP4) return 0;   // only the types above
+    if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && !qt_grids.ready) return 0;
     const int64_t in_row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype), out_row = (int64_t)K / qt_block(rt) * qt_bytes(rt);
     const int d_at = qtype == QT_TQ1_0 ? 52 : qtype == QT_TQ2_0 ? 64 : 0;
     const QTValues *vals = qt_kv(rt);
@@ -165,7 +166,9 @@ int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
         int good = 1;
         if (nl) {
             for (int g = 0; g < K / 32 && good; g++) {   // e8m0 + 16 code bytes -> fp16 d + the same bytes
-                const float d = qt_e8m0_half(row[17 * g]);
+                int zero = 1;   // every code 0 or 8 (+-0): any scale gives +0, so fp16's 0 does (an all-zero block's e = 0)
+                for (int j = 0; j < 16; j++) zero &= (row[17 * g + 1 + j] & 7) == 0 && (row[17 * g + 1 + j] & 0x70) == 0;
+                const float d = zero ? 0.f : qt_e8m0_half(row[17 * g]);
                 const uint16_t h = ss_f32_to_half(d);
                 good = qt_f16((const uint8_t *)&h) == d;
                 memcpy(blocks + 18 * g, &h, 2);
@@ -182,8 +185,9 @@ int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
                 memcpy(o, p + d_at, 2);
                 for (int i = 0; i < 8 && good; i++) {
                     const float m = dx != 0.f ? u.sc[2 * i] / dx : 0.f;
-                    const int ls = (int)m + 32;
-                    good = (float)(int)m == m && ls >= 0 && ls < 64 && dx * (float)(ls - 32) == u.sc[2 * i];
+                    good = m == m && fabsf(m) < 64.f;   // not NaN (an inf or NaN d), in range before the cast
+                    const int ls = good ? (int)m + 32 : 32;
+                    good = good && (float)(int)m == m && ls >= 0 && ls < 64 && dx * (float)(ls - 32) == u.sc[2 * i];
                     o[2 + i / 4] |= (uint8_t)((ls >> 4) << (2 * (i % 4)));
                     o[4 + i / 2] |= (uint8_t)((ls & 15) << (4 * (i & 1)));
                     for (int l = 0; l < 16 && good; l++) {

@@ -468,7 +468,7 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
 #if defined(SS_TWIN)
     // IQ4 layouts, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation rows on
     // (the same bits as 8 at a time: qt_rbnl_rows16)
-    if ((t == QT_R_IQ4_NL || t == QT_R_IQ4_XS) && nb >= twin_from_rows)
+    if ((t == QT_R_IQ4_NL || t == QT_R_IQ4_XS) && nb >= twin_from_rows && twin_usable)
         for (; n + 8 < n1; n += 16) {
             const int live = n1 - n < 16 ? n1 - n : 16;
             const uint8_t *w[16];
@@ -479,7 +479,8 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
             SS_BY_ROWS(nb, NL16)
 #undef NL16
             __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]), hi[b] = _mm512_extractf32x8_ps(out[b], 1);
+            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
+                                         hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
             rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
             if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
         }
@@ -729,7 +730,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
 #if defined(SS_TWIN)
         // the IQ4 layouts' 16-row kernel (q5i_rows) where it runs: blocks of 16 rows (17 KB at K = 2048)
-        if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS &&
+        if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS && twin_usable &&
             (qt_rb_layout(m->qtype) == QT_R_IQ4_NL || qt_rb_layout(m->qtype) == QT_R_IQ4_XS))
             wb = wb < 16 ? 16 : wb & ~15;
 #endif
