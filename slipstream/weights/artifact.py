@@ -28,8 +28,10 @@ from slipstream.weights.quant import Linear
 ARTIFACT_FILE = "slipstream-artifact.json"
 # 2: a Q4_K matrix may hold only its 6-bit scales (`kq`, no `scale`/`min`), which a Slipstream that reads only
 # format 1 cannot run: it then asks to compile again instead of failing inside the runtime
-FORMAT = 2
-READS = (1, 2)   # format 1 artifacts load as they are (a Q4_K matrix's planes and 6-bit scales, or planes only)
+# 3: a matrix may be one of the lattice/ternary/MXFP4 types re-encoded into the IQ4 planes (weights/quant.py
+# REENCODE: format ids 116-139), which a Slipstream reading format 2 does not know
+FORMAT = 3
+READS = (1, 2, 3)   # format 1 artifacts load as they are (a Q4_K matrix's planes and 6-bit scales, or planes only)
 LAYER_LINEARS = LlamaLayer.LINEARS
 LAYER_VECTORS = LlamaLayer.VECTORS
 
