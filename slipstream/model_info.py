@@ -162,9 +162,8 @@ def render(r: Report) -> str:
         f"chat template  {r.chat_template}",
         "tensor types   " + ("(none read)" if not r.types else ""),
     ]
-    from slipstream.weights.quant import RAW_TYPES, REENCODE
-    in_place = os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0")
-    reencoded = {RAW_TYPES[t][0] for t in REENCODE} if r.format == "gguf" and not in_place else set()
+    from slipstream.weights.quant import RAW_TYPES, REENCODE, iq_in_place_asked
+    reencoded = {RAW_TYPES[t][0] for t in REENCODE} if r.format == "gguf" and not iq_in_place_asked() else set()
     for name, s in sorted(r.types.items(), key=lambda kv: -kv[1].params):
         share = 100.0 * s.params / max(1, r.parameters)
         size = f", {_human(s.bytes)}" if s.bytes else ""

@@ -226,6 +226,38 @@ def gguf_tokenizer(w) -> None:
     w.add_eos_token_id(95)
 
 
+def tiny_llama_gguf(path, types: dict, ffn: int = 256, size: float = 0.05, seed: int = 0):
+    """A one-layer llama GGUF of hidden size 256 with the 96-token vocabulary (`gguf_tokenizer`), runnable by `LLM`
+    and the CLI: the tensors named in `types` ("token_embd", "blk.0.ffn_down", ...) as random valid blocks of that
+    ggml type (`random_blocks`, magnitude `size`), the other matrices float32 N(0, size^2), unit norms."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=ffn,
+                           head_count=4, head_count_kv=4, vocab_size=96).items():
+        getattr(w, f"add_{key}")(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    gguf_tokenizer(w)
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd": (96, 256), "blk.0.attn_q": (256, 256), "blk.0.attn_k": (256, 256),
+              "blk.0.attn_v": (256, 256), "blk.0.attn_output": (256, 256), "blk.0.ffn_gate": (ffn, 256),
+              "blk.0.ffn_up": (ffn, 256), "blk.0.ffn_down": (256, ffn)}
+    for name, (n, k) in shapes.items():
+        if name in types:
+            qt = gguf.GGMLQuantizationType(int(types[name]))
+            w.add_tensor(name + ".weight", random_blocks(int(qt), n, k, size=size), raw_dtype=qt)
+        else:
+            w.add_tensor(name + ".weight", (rng.standard_normal((n, k)) * size).astype(np.float32))
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        w.add_tensor(name + ".weight", np.ones(256, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def hf_and_ours(hf, root, fmt: str, write_gguf):
     """(hf, our model on the same weights): from a Hugging Face folder saved under `root` (`fmt` "hf"),
     or from the GGUF `write_gguf(path)` writes there (which gives `hf` the file's dequantized weights)."""

@@ -271,28 +271,12 @@ def test_chat_bad_input(case, bad_inputs):
 
 
 def test_a_file_of_lattice_and_ternary_types_runs_without_a_warning(tmp_path):
-    """IQ2_XXS and TQ1_0 weights are read in place by the native decoders (they were re-encoded at load
-    as Q8_0, with a warning, before those existed): the CLI says nothing on stderr."""
+    """IQ2_XXS and TQ1_0 weights are read natively (re-encoded at load into the IQ4 kernels' planes; they were
+    re-encoded as Q8_0, with a warning, before the native decoders existed): the CLI says nothing on stderr."""
     gguf = pytest.importorskip("gguf")
-    from support import gguf_tokenizer, random_blocks
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
-    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=256,
-                           head_count=4, head_count_kv=4, vocab_size=96).items():
-        getattr(w, f"add_{key}")(value)
-    w.add_layer_norm_rms_eps(1e-5)
-    gguf_tokenizer(w)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((96, 256)) * 0.1).astype(np.float32))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate"):
-        w.add_tensor(f"blk.0.{name}.weight", (rng.standard_normal((256, 256)) * 0.06).astype(np.float32))
-    for name, qt in (("ffn_up", gguf.GGMLQuantizationType.IQ2_XXS), ("ffn_down", gguf.GGMLQuantizationType.TQ1_0)):
-        w.add_tensor(f"blk.0.{name}.weight", random_blocks(int(qt), 256, 256, size=0.1), raw_dtype=qt)
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(f"{name}.weight", np.ones(256, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    from support import tiny_llama_gguf
+    qt = gguf.GGMLQuantizationType
+    tiny_llama_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_up": qt.IQ2_XXS, "blk.0.ffn_down": qt.TQ1_0}, size=0.1)
     proc = run_cli("generate", str(tmp_path / "iq.gguf"), "-p", "Hello", "--max-tokens", "4", "--ignore-eos", "--json")
     assert len(_json(proc)["token_ids"]) == 4
     assert not proc.stderr.strip(), proc.stderr

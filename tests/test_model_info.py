@@ -115,25 +115,8 @@ def test_inspect_marks_the_types_re_encoded_at_load(tmp_path: Path):
     """IQ3_S weights become the IQ4 kernels' 4-bit planes at load (4.25 bits a weight): `inspect` says so;
     with SLIPSTREAM_IQ_IN_PLACE=1 they stay the file's blocks and the note goes."""
     gguf = pytest.importorskip("gguf")
-    from support import random_blocks
-    rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
-    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=256,
-                           head_count=4, head_count_kv=4, vocab_size=96).items():
-        getattr(w, f"add_{key}")(value)
-    w.add_layer_norm_rms_eps(1e-5)
-    gguf_tokenizer(w)
-    w.add_tensor("token_embd.weight", (rng.standard_normal((96, 256)) * 0.1).astype(np.float32))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
-        w.add_tensor(f"blk.0.{name}.weight", (rng.standard_normal((256, 256)) * 0.06).astype(np.float32))
-    qt = gguf.GGMLQuantizationType.IQ3_S
-    w.add_tensor("blk.0.ffn_down.weight", random_blocks(int(qt), 256, 256, size=0.1), raw_dtype=qt)
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(f"{name}.weight", np.ones(256, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    from support import tiny_llama_gguf
+    tiny_llama_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_down": gguf.GGMLQuantizationType.IQ3_S}, size=0.1)
     line = next(x for x in inspect(str(tmp_path / "iq.gguf")).stdout.splitlines() if x.strip().startswith("IQ3_S"))
     assert "re-encoded at load into 4-bit planes (4.25 bits a weight)" in line
     env = {**os.environ, "SLIPSTREAM_IQ_IN_PLACE": "1"}

@@ -16,7 +16,7 @@ from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
 from slipstream.weights.quant import (Q4_F32, RAW_TYPES, REENCODE, Linear, aligned, aligned_empty, available_memory,
-                                      concat_rows, iq_in_place, weight_linears)
+                                      concat_rows, iq_in_place, iq_in_place_asked, weight_linears)
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 # re-blocked once at load into the native kernels' 4- and 8-bit layouts
@@ -258,7 +258,7 @@ def _reencoding_fits(reader: GGUFFile, path: str) -> bool:
     """Whether the file's REENCODE-type matrices (the lattice and ternary types, MXFP4), re-encoded into the IQ4
     kernels' planes (4.25 bits a weight, 4.5 for MXFP4), fit in half the memory available; if not, they stay the
     file's blocks, with one warning (decode is then slower: the products decode those blocks)."""
-    if os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0"):
+    if iq_in_place_asked():
         return True   # asked for: the loader keeps the blocks anyway, without a word
     need: dict[str, int] = {}
     for t in reader.tensors:

@@ -675,6 +675,11 @@ REENCODED = set(REENCODE.values())
 _iq = threading.local()
 
 
+def iq_in_place_asked() -> bool:
+    """SLIPSTREAM_IQ_IN_PLACE=1: the user keeps the REENCODE types as the file's blocks."""
+    return os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0")
+
+
 @contextlib.contextmanager
 def iq_in_place(on: bool) -> Iterator[None]:
     """Within this block (`on`), REENCODE types stay the file's blocks: the GGUF loader's choice for a file whose
@@ -693,8 +698,7 @@ def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Lin
     memory available, or a block whose values the layout cannot hold exactly."""
     lib = load_library()
     mxfp4 = fmt == 39
-    if lib is None or k % (64 if mxfp4 else 256) or os.environ.get("SLIPSTREAM_IQ_IN_PLACE", "") not in ("", "0") \
-            or getattr(_iq, "in_place", False):
+    if lib is None or k % (64 if mxfp4 else 256) or iq_in_place_asked() or getattr(_iq, "in_place", False):
         return None
     size = n * (k // 32 * 18 if mxfp4 else k // 256 * 136)
     free = available_memory()

@@ -107,31 +107,10 @@ def test_gguf_is_imported_only_for_files_with_grid_types(tmp_path):
 
 
 def _tiny_file(tmp_path):
-    from support import gguf_tokenizer
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    for key, value in dict(block_count=1, context_length=64, embedding_length=256, feed_forward_length=512,
-                           head_count=4, head_count_kv=4, vocab_size=96).items():
-        getattr(w, f"add_{key}")(value)
-    w.add_layer_norm_rms_eps(1e-6)
-    gguf_tokenizer(w)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd": (96, 256), "blk.0.attn_q": (256, 256), "blk.0.attn_k": (256, 256),
-              "blk.0.attn_v": (256, 256), "blk.0.attn_output": (256, 256), "blk.0.ffn_gate": (512, 256),
-              "blk.0.ffn_up": (512, 256), "blk.0.ffn_down": (256, 512)}
-    types = {"blk.0.ffn_down": QT.IQ3_S, "blk.0.ffn_up": QT.IQ2_XXS, "blk.0.attn_output": QT.TQ1_0,
-             "token_embd": QT.IQ1_M}
-    for name, (n, k) in shapes.items():
-        if name in types:
-            w.add_tensor(name + ".weight", random_blocks(int(types[name]), n, k, size=0.05), raw_dtype=types[name])
-        else:
-            w.add_tensor(name + ".weight", (rng.standard_normal((n, k)) * 0.05).astype(np.float32))
-    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
-        w.add_tensor(name + ".weight", np.ones(256, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return tmp_path / "m.gguf"
+    """IQ3_S ffn_down, IQ2_XXS ffn_up, TQ1_0 attn_output, IQ1_M embeddings (ffn 512)."""
+    from support import tiny_llama_gguf
+    return tiny_llama_gguf(tmp_path / "m.gguf", {"blk.0.ffn_down": QT.IQ3_S, "blk.0.ffn_up": QT.IQ2_XXS,
+                                                 "blk.0.attn_output": QT.TQ1_0, "token_embd": QT.IQ1_M}, ffn=512)
 
 
 def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
