@@ -92,6 +92,8 @@ static inline int qt_rb_xs(int t) {
 }
 // the layout whose kernels multiply t's rows: IQ4_XS's or IQ4_NL's for the re-encoded types, else t itself
 static inline int qt_rb_layout(int t) { return qt_rb_xs(t) ? QT_R_IQ4_XS : t == QT_R_MXFP4 ? QT_R_IQ4_NL : t; }
+// rows the IQ4 kernels multiply (IQ4_NL's or IQ4_XS's layout, the re-encoded types included)
+static inline int qt_rb_iq4(int t) { return qt_rb_layout(t) == QT_R_IQ4_NL || qt_rb_layout(t) == QT_R_IQ4_XS; }
 
 static inline int qt_rb(int t) {
     const int l = qt_rb_layout(t);

@@ -229,7 +229,7 @@ __attribute__((constructor)) static void rows8_default(void) {
 static inline int rows8_on(const SSMat *m) {
     const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
                   : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
-                  : qt_rb_layout(m->qtype) == QT_R_IQ4_NL || qt_rb_layout(m->qtype) == QT_R_IQ4_XS ? 32 : 0;
+                  : qt_rb_iq4(m->qtype) ? 32 : 0;
     return (rows8_usable & bit) != 0;
 }
 
@@ -468,14 +468,14 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
 #if defined(SS_TWIN)
     // IQ4 layouts, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation rows on
     // (the same bits as 8 at a time: qt_rbnl_rows16)
-    if ((t == QT_R_IQ4_NL || t == QT_R_IQ4_XS) && nb >= twin_from_rows && twin_usable)
+    if (qt_rb_iq4(t) && nb >= twin_from_rows && twin_usable)
         for (; n + 8 < n1; n += 16) {
             const int live = n1 - n < 16 ? n1 - n : 16;
             const uint8_t *w[16];
             for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
             const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
             __m512 out[MAX_ROWS];
-#define NL16(NB) qt_rbnl_rows16(t == QT_R_IQ4_NL ? QT_R_IQ4_NL : QT_R_IQ4_XS, kvt, w, K, x->q, x->d, x->s, NB, pf, 16 * row_bytes / (K / 32), out);
+#define NL16(NB) qt_rbnl_rows16(t, kvt, w, K, x->q, x->d, x->s, NB, pf, 16 * row_bytes / (K / 32), out);
             SS_BY_ROWS(nb, NL16)
 #undef NL16
             __m256 lo[MAX_ROWS], hi[MAX_ROWS];
@@ -532,7 +532,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
     const int layout = qt_rb_layout(m->qtype);
     const QTValues *kvt = qt_kv(m->qtype);
-    if ((qt_rb_q5(layout) || layout == QT_R_IQ4_NL || layout == QT_R_IQ4_XS) && rows8_on(m)) {
+    if ((qt_rb_q5(layout) || qt_rb_iq4(layout)) && rows8_on(m)) {
         q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
         return 1;
     }
@@ -731,7 +731,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #if defined(SS_TWIN)
         // the IQ4 layouts' 16-row kernel (q5i_rows) where it runs: blocks of 16 rows (17 KB at K = 2048)
         if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS && twin_usable &&
-            (qt_rb_layout(m->qtype) == QT_R_IQ4_NL || qt_rb_layout(m->qtype) == QT_R_IQ4_XS))
+            qt_rb_iq4(m->qtype))
             wb = wb < 16 ? 16 : wb & ~15;
 #endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
