@@ -162,12 +162,13 @@ def render(r: Report) -> str:
         f"chat template  {r.chat_template}",
         "tensor types   " + ("(none read)" if not r.types else ""),
     ]
-    from slipstream.weights.quant import RAW_TYPES, REENCODE, iq_in_place_asked
-    reencoded = {RAW_TYPES[t][0] for t in REENCODE} if r.format == "gguf" and not iq_in_place_asked() else set()
+    from slipstream.weights.quant import RAW_TYPES, REENCODE, iq_in_place_asked, reencoded_row_bytes
+    reencoded = {RAW_TYPES[t][0]: reencoded_row_bytes(t, 256) * 8 / 256 for t in REENCODE} \
+        if r.format == "gguf" and not iq_in_place_asked() else {}
     for name, s in sorted(r.types.items(), key=lambda kv: -kv[1].params):
         share = 100.0 * s.params / max(1, r.parameters)
         size = f", {_human(s.bytes)}" if s.bytes else ""
-        note = (f", re-encoded at load into 4-bit planes ({4.5 if name == 'MXFP4' else 4.25} bits a weight)"
+        note = (f", re-encoded at load into 4-bit planes ({reencoded[name]:.3g} bits a weight)"
                 if name in reencoded else "")
         lines.append(f"  {name:<8} {s.tensors:>4} tensors, {share:5.1f}% of weights{size}{note}")
     lines.append(f"runtime        {r.runtime} (what --runtime auto picks here)")

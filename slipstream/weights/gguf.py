@@ -15,7 +15,7 @@ from slipstream.weights.gguf_file import GGUFFile
 from slipstream.weights.gguf_file import GGMLType as QT
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.hugepages import move_to_huge_pages
-from slipstream.weights.quant import (Q4_F32, RAW_TYPES, REENCODE, Linear, aligned, aligned_empty, available_memory,
+from slipstream.weights.quant import (Q4_F32, RAW_TYPES, REENCODE, Linear, reencoded_row_bytes, aligned, aligned_empty, available_memory,
                                       concat_rows, iq_in_place, iq_in_place_asked, weight_linears)
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
@@ -256,15 +256,17 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
 
 def _reencoding_fits(reader: GGUFFile, path: str) -> bool:
     """Whether the file's REENCODE-type matrices (the lattice and ternary types, MXFP4), re-encoded into the IQ4
-    kernels' planes (4.25 bits a weight, 4.5 for MXFP4), fit in half the memory available; if not, they stay the
-    file's blocks, with one warning (decode is then slower: the products decode those blocks)."""
+    kernels' planes (4.25 bits a weight, 4.5 for MXFP4, 4.56 for the per-16 planes), fit in half the memory
+    available; if not, they stay the file's blocks, with one warning (decode is then slower: the products decode
+    those blocks)."""
     if iq_in_place_asked():
         return True   # asked for: the loader keeps the blocks anyway, without a word
     need: dict[str, int] = {}
     for t in reader.tensors:
         if int(t.tensor_type) in REENCODE and len(t.shape) > 1:
             name = QT(t.tensor_type).name
-            need[name] = need.get(name, 0) + int(np.prod(t.shape)) * (18 if name == "MXFP4" else 17) // 32
+            rows = int(np.prod(t.shape)) // int(t.shape[0])   # gguf-py's shape: the row length first
+            need[name] = need.get(name, 0) + rows * reencoded_row_bytes(int(t.tensor_type), int(t.shape[0]))
     free = available_memory() if need else None
     if free is None or sum(need.values()) <= free // 2:
         return True

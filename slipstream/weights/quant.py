@@ -57,7 +57,10 @@ REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 # their own values, MXFP4 into IQ4_NL's; every value kept (4.25 and 4.5 bits a weight, against 1.6-3.4 in
 # the file): the IQ4 kernels multiply them, 3.5-5x faster per core than decoding the file's blocks in each
 # product (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
-REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139}
+# The types whose scale is per 16 weights (IQ2_XS, IQ2_S, IQ1_M) go into the per-16 IQ planes (4.56 bits a weight;
+# qtypes.h qt_rb16), which Q6_K's kernels multiply.
+REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129}
+PER16_REENCODE = {17, 22, 29}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
 REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
@@ -333,8 +336,11 @@ class Linear:
                 return None
             G, g0, g1 = self.k // 32, c0 // 32, c1 // 32
             d = self.data
-            data = torch.cat([d[:, 16 * g0:16 * g1], d[:, 16 * G + head * g0:16 * G + head * g1]], dim=1).contiguous()
-            return Linear(self.n, c1 - c0, data, self.fmt)
+            if REBLOCKED[self.fmt] in PER16_REENCODE:   # codes, 16 int8 scales per 8 groups, then an fp16 d per 8
+                cut = [d[:, 16 * g0:16 * g1], d[:, 16 * G + 2 * g0:16 * G + 2 * g1], d[:, 18 * G + g0 // 4:18 * G + g1 // 4]]
+            else:
+                cut = [d[:, 16 * g0:16 * g1], d[:, 16 * G + head * g0:16 * G + head * g1]]
+            return Linear(self.n, c1 - c0, torch.cat(cut, dim=1).contiguous(), self.fmt)
         g = self.ggml_blocks()
         _, qk, bb = RAW_TYPES[g.fmt]
         if c0 % qk or c1 % qk:
@@ -692,6 +698,12 @@ def iq_in_place(on: bool) -> Iterator[None]:
         _iq.in_place = old
 
 
+def reencoded_row_bytes(fmt: int, k: int) -> int:
+    """Bytes of one row of K weights of a REENCODE type (the ggml id) once re-encoded: IQ4_NL's planes for MXFP4
+    (18 per 32), the per-16 IQ planes (146 per 256), else IQ4_XS's (136 per 256)."""
+    return k // 32 * 18 if fmt == 39 else k // 256 * (146 if fmt in PER16_REENCODE else 136)
+
+
 def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear | None":
     """A REENCODE type's blocks as our 4-bit planes (`ss_reencode`), or None to keep the file's blocks: no
     native library, K not whole blocks of the layout, SLIPSTREAM_IQ_IN_PLACE=1, the copy would not fit in the
@@ -700,7 +712,7 @@ def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Lin
     mxfp4 = fmt == 39
     if lib is None or k % (64 if mxfp4 else 256) or iq_in_place_asked() or getattr(_iq, "in_place", False):
         return None
-    size = n * (k // 32 * 18 if mxfp4 else k // 256 * 136)
+    size = n * reencoded_row_bytes(fmt, k)
     free = available_memory()
     if free is not None and size > free // 2:   # half of what is free: the rest of the model, the KV cache
         return None

@@ -102,6 +102,91 @@ static int check_qtypes(void) {
     return ok;
 }
 
+// the per-16 IQ planes (qtypes.h qt_rb16: IQ2_XS, IQ2_S, IQ1_M re-encoded at load), built directly with random
+// codes, odd sub-block scales and fp16 d: the decoding, both products (every build, Arm included) and, on AVX2,
+// the 8-row kernel bit for bit against its integer sums (as check_q6_rows8)
+static int check_rb16(void) {
+    static const int types[] = {QT_R_IQ2_XS, QT_R_IQ1_M};
+    enum { S = 3, K = 256 * S, G = K / 32, R = 3 };
+    static uint8_t w[8][146 * S];
+    static float x[MAX_ROWS][K], xd[MAX_ROWS * G], xs[MAX_ROWS * G], wf[K], out[MAX_ROWS], xsum[MAX_ROWS * G];
+    static int8_t xq[MAX_ROWS * K];
+    int ok = 1;
+    for (int m = 0; m < MAX_ROWS; m++) {
+        for (int i = 0; i < K; i++) x[m][i] = frand() * (m == 2 ? 0.f : 2.f);
+        ss_quantize_row(x[m], K, xq + m * K, xd + m * G, xs + m * G);
+        ss_group_sums(x[m], K, xsum + m * G);
+    }
+    for (unsigned ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
+        const int t = types[ti];
+        const QTValues *kv = qt_kv(t);
+        int nv = 16;
+        while (nv > 1 && kv->v[nv - 1] == 0) nv--;   // the table's used entries
+        for (int r = 0; r < 8; r++) {
+            for (int i = 0; i < 16 * G; i++) w[r][i] = (uint8_t)(irand(0, nv - 1) | irand(0, nv - 1) << 4);
+            for (int i = 0; i < 2 * G; i++) w[r][16 * G + i] = (uint8_t)(int8_t)(2 * irand(-16, 15) + 1);
+            for (int s = 0; s < S; s++) {
+                const uint16_t h = (uint16_t)(0x2800 + irand(0, 0x3FF) + (irand(0, 1) << 15));
+                memcpy(&w[r][18 * G + 2 * s], &h, 2);
+            }
+        }
+        for (int r = 0; r < 8; r++) {   // decoding: w = d dk sc v[c]
+            qt_dequant_row(t, w[r], K, wf);
+            for (int i = 0; i < K && ok; i++) {
+                const int g = i / 32, j = i % 32, s = g / 8, c = (w[r][32 * (g / 2) + j] >> (4 * (g & 1))) & 15;
+                uint16_t h;
+                memcpy(&h, &w[r][18 * G + 2 * s], 2);
+                const float sc = ss_half_to_f32(h) * kv->dk * (float)(int8_t)w[r][16 * G + 16 * s + (j >= 16 ? 8 : 0) + g % 8];
+                const float want = sc * (float)kv->v[c];
+                if (memcmp(&want, &wf[i], 4)) { printf("mismatch rb16 decode t%d row %d i%d: %g want %g\n", t, r, i, wf[i], want); ok = 0; }
+            }
+            double want[R] = {0}, wantq[R] = {0}, scale = 1e-3;
+            for (int m = 0; m < R; m++) {
+                for (int i = 0; i < K; i++) want[m] += (double)wf[i] * x[m][i], wantq[m] += (double)wf[i] * xq[m * K + i] * xd[m * G + i / 32];
+                scale = fmax(scale, fabs(want[m]));
+            }
+            qt_f_row(t, w[r], K, x[0], xsum, R, out);
+            for (int m = 0; m < R; m++) ok &= close_to(out[m] / scale, want[m] / scale, 1e-4, "rb16 qt_f", t);
+            qt_q8_row(t, w[r], K, xq, xd, xs, R, out);
+            for (int m = 0; m < R; m++) ok &= close_to(out[m] / scale, wantq[m] / scale, 1e-4, "rb16 qt_q8", t);
+        }
+#if defined(SS_AVX2)
+        static int16_t xh[MAX_ROWS * K / 16];
+        qt_code_sums16(xq, K, MAX_ROWS, xh);
+        const uint8_t *p[8];
+        for (int r = 0; r < 8; r++) p[r] = w[r];
+        for (int nb = 1; nb <= MAX_ROWS; nb++) {
+            __m256 o8[MAX_ROWS];
+#define R16(NB) qt_rb6_rows8(QT_R_IQ2_XS, kv, p, K, xq, xd, xh, NB, NULL, o8)
+            SS_BY_ROWS(nb, R16)
+#undef R16
+            for (int m = 0; m < nb; m++) {
+                float got[8];
+                _mm256_storeu_ps(got, o8[m]);
+                for (int r = 0; r < 8; r++) {
+                    float acc = 0.f;
+                    for (int g = 0; g < G; g++) {
+                        int sum = 0;
+                        for (int j = 0; j < 32; j++) {
+                            const int c = (w[r][32 * (g / 2) + j] >> (4 * (g & 1))) & 15;
+                            sum += (int8_t)w[r][16 * G + 16 * (g / 8) + (j >= 16 ? 8 : 0) + g % 8] * kv->v[c] * xq[m * K + 32 * g + j];
+                        }
+                        uint16_t h;
+                        memcpy(&h, &w[r][18 * G + 2 * (g / 8)], 2);
+                        acc = fmaf((float)sum, ss_half_to_f32(h) * kv->dk * xd[m * G + g], acc);
+                    }
+                    if (got[r] != acc) {
+                        printf("rb16 rows8 t%d nb %d row %d act %d: %.9g want %.9g\n", t, nb, r, m, got[r], acc);
+                        ok = 0;
+                    }
+                }
+            }
+        }
+#endif
+    }
+    return ok;
+}
+
 // ops.h's vector exp (softmax, SiLU) against the C library's, over the range attention and SiLU meet
 static int check_exp(void) {
     enum { N = 203 };
@@ -265,7 +350,7 @@ static int check_q6_rows8(void) {
         for (int r = 0; r < 8; r++) p[r] = rb[r];
         for (int nb = 1; nb <= MAX_ROWS; nb++) {
             __m256 out[MAX_ROWS];
-#define R6(NB) qt_rb6_rows8(p, K, xq, xd, xh, NB, NULL, out)
+#define R6(NB) qt_rb6_rows8(QT_R_Q6_K, qt_kv(QT_R_Q6_K), p, K, xq, xd, xh, NB, NULL, out)
             SS_BY_ROWS(nb, R6)
 #undef R6
             for (int m = 0; m < nb; m++) {
@@ -606,6 +691,7 @@ int main(void) {
     ok &= check_qtypes();
     ok &= check_rows8();
     ok &= check_q6_rows8();
+    ok &= check_rb16();
     ok &= check_q5_rows8();
     ok &= check_iq4_rows8();
     ok &= check_q4_widths();

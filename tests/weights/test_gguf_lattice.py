@@ -39,7 +39,8 @@ def test_every_type_gguf_py_decodes_is_read():
     assert {GGMLType(int(t)) for t in TYPES} <= RAW_QTYPES - PACKED_TYPES
 
 
-REENCODED = [QT.IQ2_XXS, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.TQ1_0, QT.TQ2_0, QT.MXFP4]
+REENCODED = [QT.IQ2_XXS, QT.IQ3_XXS, QT.IQ3_S, QT.IQ1_S, QT.TQ1_0, QT.TQ2_0, QT.MXFP4, QT.IQ2_XS, QT.IQ2_S, QT.IQ1_M]
+PER16 = [QT.IQ2_XS, QT.IQ2_S, QT.IQ1_M]
 
 
 def _exact(lin, raw, qt):
@@ -51,15 +52,16 @@ def _exact(lin, raw, qt):
 @pytest.mark.parametrize("qt", TYPES, ids=[t.name for t in TYPES])
 def test_each_type_keeps_every_value(qt, monkeypatch):
     """The types whose weights are one of 16 values times a per-32 scale become 4-bit planes the IQ4 kernels
-    read (4.25 bits a weight; MXFP4 4.5), the per-16 ones (IQ2_XS, IQ2_S, IQ1_M) stay the file's blocks; with
-    SLIPSTREAM_IQ_IN_PLACE=1 every type stays the file's blocks. Either way bit-exact against gguf-py."""
+    read (4.25 bits a weight; MXFP4 4.5), the per-16 ones (IQ2_XS, IQ2_S, IQ1_M) the per-16 IQ planes Q6_K's
+    kernels read (4.56); with SLIPSTREAM_IQ_IN_PLACE=1 every type stays the file's blocks. Either way bit-exact
+    against gguf-py."""
     raw = random_blocks(int(qt), N, K, seed=int(qt), size=0.05)
     lin = _linear_from_raw(GGMLType(int(qt)), raw, N, K)
     assert lin.format_name == qt.name and (lin.n, lin.k) == (N, K)
     _exact(lin, raw, qt)
     if qt in REENCODED and native_available():
         assert lin.fmt == 100 + int(qt) and lin.reblocked
-        assert lin.data.shape == (N, K // 32 * 18 if qt == QT.MXFP4 else K // 256 * 136)
+        assert lin.data.shape == (N, K // 32 * 18 if qt == QT.MXFP4 else K // 256 * (146 if qt in PER16 else 136))
     else:
         assert lin.fmt == int(qt) and lin.data.data_ptr() == raw.ctypes.data   # a view of the file's blocks
     monkeypatch.setenv("SLIPSTREAM_IQ_IN_PLACE", "1")
@@ -122,8 +124,9 @@ def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
     layer = weights["layers.0"]
     assert layer.down.format_name == "IQ3_S" and layer.o.format_name == "TQ1_0"
     assert weights["embed"].format_name == "IQ1_M"
-    lo, hi = reader.data.ctypes.data, reader.data.ctypes.data + reader.data.nbytes
-    assert lo <= weights["embed"].data.data_ptr() < hi   # IQ1_M (per-16 scales): the file's blocks, in the map
+    if native_available():   # IQ1_M (per-16 scales): the per-16 IQ planes, a copy out of the map
+        lo, hi = reader.data.ctypes.data, reader.data.ctypes.data + reader.data.nbytes
+        assert weights["embed"].fmt == 100 + int(QT.IQ1_M) and not lo <= weights["embed"].data.data_ptr() < hi
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ layer.down.dequantize().double().T
     assert torch.allclose(layer.down(x).double(), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
@@ -133,7 +136,7 @@ def test_a_file_of_them_loads_in_place_without_a_warning(tmp_path):
 
 @pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
 def test_the_re_encoded_planes_survive_the_artifact(tmp_path):
-    """`slipstream compile` of such a file stores the re-encoded planes (and the IQ1_M blocks) as they are: the
+    """`slipstream compile` of such a file stores the re-encoded planes (IQ1_M's the per-16 ones) as they are: the
     artifact decodes the GGUF's greedy tokens."""
     from slipstream import LLM, SamplingParams
     from slipstream.compiler import compile_model
@@ -141,6 +144,7 @@ def test_the_re_encoded_planes_survive_the_artifact(tmp_path):
     compile_model(src, out)
     a, b = LLM(src), LLM(out)
     assert b.model.layers[0].down.fmt == a.model.layers[0].down.fmt == 100 + int(QT.IQ3_S)
+    assert b.model.embed.fmt == a.model.embed.fmt == 100 + int(QT.IQ1_M)
     p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert [o.token_ids for o in b.generate([[5, 9, 13, 40]], p)] == [o.token_ids for o in a.generate([[5, 9, 13, 40]], p)]
 
@@ -151,13 +155,13 @@ def test_a_file_whose_re_encoding_would_not_fit_stays_in_place_with_one_warning(
     user is told once; SLIPSTREAM_IQ_IN_PLACE=1 chooses that silently."""
     import slipstream.weights.gguf as g
     path = _tiny_file(tmp_path)
-    need = (256 * 512 + 512 * 256 + 256 * 256) * 17 // 32   # IQ3_S down, IQ2_XXS up, TQ1_0 o (IQ1_M stays)
+    need = (256 * 512 + 512 * 256 + 256 * 256) * 17 // 32 + 96 * 146   # IQ3_S down, IQ2_XXS up, TQ1_0 o; IQ1_M embed
     monkeypatch.setattr(g, "available_memory", lambda: 2 * need - 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, weights, _ = load_gguf(path)
     said = [str(c.message) for c in caught if "file's blocks" in str(c.message)]
-    assert len(said) == 1 and "IQ2_XXS, IQ3_S, TQ1_0" in said[0], said
+    assert len(said) == 1 and "IQ1_M, IQ2_XXS, IQ3_S, TQ1_0" in said[0], said
     layer = weights["layers.0"]
     assert (layer.down.fmt, layer.o.fmt) == (int(QT.IQ3_S), int(QT.TQ1_0))
     monkeypatch.setattr(g, "available_memory", lambda: 2 * need)
@@ -174,7 +178,7 @@ def test_a_file_whose_re_encoding_would_not_fit_stays_in_place_with_one_warning(
 
 
 @pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
-@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ2_0, QT.MXFP4], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ2_0, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M], ids=lambda t: t.name)
 def test_column_cuts_of_the_planes_stay_planes(qt):
     """Tensor parallelism cuts o and down by columns: a re-encoded weight is cut on its planes (it became dense
     fp32), with the values of the file's columns."""

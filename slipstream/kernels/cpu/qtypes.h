@@ -31,6 +31,9 @@ enum {
     // quant_matvec.c's ss_reencode, exact), and MXFP4 into IQ4_NL's (4.5); the IQ4 kernels multiply them
     QT_R_IQ2_XXS = 116, QT_R_IQ3_XXS = 118, QT_R_IQ1_S = 119, QT_R_IQ3_S = 121, QT_R_TQ1_0 = 134, QT_R_TQ2_0 = 135,
     QT_R_MXFP4 = 139,
+    // ours: the lattice types whose every weight is one of 16 values times a per-16 scale d (2 l + 1) (IQ2_XS,
+    // IQ2_S, IQ1_M), re-encoded at load into the per-16 IQ planes (4.56 bits a weight; qt_rb16 below, exact)
+    QT_R_IQ2_XS = 117, QT_R_IQ2_S = 122, QT_R_IQ1_M = 129,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -55,6 +58,7 @@ static inline int qt_block(int t) {
     case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 256;
     case QT_R_MXFP4: return 32;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: case QT_IQ1_M:
     case QT_TQ1_0: case QT_TQ2_0: return 256;
@@ -72,6 +76,7 @@ static inline int qt_bytes(int t) {
     case QT_R_IQ4_XS: return 136; case QT_R_Q5_K: return 176;
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 136;
     case QT_R_MXFP4: return 18;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: return 146;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     case QT_IQ2_XXS: return 66; case QT_IQ2_XS: return 74; case QT_IQ2_S: return 82; case QT_IQ3_XXS: return 98;
@@ -90,6 +95,8 @@ static inline int qt_rb_xs(int t) {
     return t == QT_R_IQ4_XS || t == QT_R_IQ2_XXS || t == QT_R_IQ3_XXS || t == QT_R_IQ1_S || t == QT_R_IQ3_S ||
            t == QT_R_TQ1_0 || t == QT_R_TQ2_0;
 }
+// the re-encoded types of the per-16 IQ planes (qt_rb6_q8_row's and qt_rb6_rows8's, as Q6_K's)
+static inline int qt_rb16(int t) { return t == QT_R_IQ2_XS || t == QT_R_IQ2_S || t == QT_R_IQ1_M; }
 // the layout whose kernels multiply t's rows: IQ4_XS's or IQ4_NL's for the re-encoded types, else t itself
 static inline int qt_rb_layout(int t) { return qt_rb_xs(t) ? QT_R_IQ4_XS : t == QT_R_MXFP4 ? QT_R_IQ4_NL : t; }
 // rows the IQ4 kernels multiply (IQ4_NL's or IQ4_XS's layout, the re-encoded types included)
@@ -137,10 +144,10 @@ static const QTValues QT_VALUES_TERNARY = {{-1, 0, 1, 2}, 1.f};
 static const QTValues QT_VALUES_MXFP4 = {{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, 1.f};
 static inline const QTValues *qt_kv(int t) {
     switch (t) {
-    case QT_R_IQ2_XXS: return &QT_VALUES_IQ2;
+    case QT_R_IQ2_XXS: case QT_R_IQ2_XS: case QT_R_IQ2_S: return &QT_VALUES_IQ2;
     case QT_R_IQ3_XXS: return &QT_VALUES_IQ3XXS;
     case QT_R_IQ3_S: return &QT_VALUES_IQ3S;
-    case QT_R_IQ1_S: return &QT_VALUES_IQ1;
+    case QT_R_IQ1_S: case QT_R_IQ1_M: return &QT_VALUES_IQ1;
     case QT_R_TQ1_0: case QT_R_TQ2_0: return &QT_VALUES_TERNARY;
     case QT_R_MXFP4: return &QT_VALUES_MXFP4;
     default: return &QT_VALUES_IQ4;
@@ -689,16 +696,30 @@ AI void qt_rb_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, 
 // per super-block the 16 int8 sub-block scales, each group's first sub-block's in bytes 0-7 and its
 // second's in bytes 8-15 (so one byte shuffle spreads a group's two scales over its products), then the
 // fp16 super-block scales. Codes are 6-bit unsigned: w = d sc (c - 32).
-AI void qt_rb6_unpack(const uint8_t *w, int K, int blk, const QTOut *o) {
-    const int G = K / 32;
-    const uint8_t *hi = w + 16 * G, *scb = w + 24 * G + 16 * blk;
-    const float d = qt_f16(w + 26 * G + 2 * blk);
+// The per-16 IQ planes (qt_rb16: IQ2_XS, IQ2_S, IQ1_M re-encoded at load, quant_matvec.c's ss_reencode) are
+// the same without the top-two-bits plane: the codes plane (4-bit indices into the type's 16 values, qt_kv),
+// then the int8 sub-block scales (2 l + 1) at 16 G as Q6_K's are at 24 G, then the fp16 d at 18 G:
+// w = d dk sc v[c], 146 bytes per 256 weights.
+AI int qt_rb6_scales_at(int t, int G) { return (qt_rb16(t) ? 16 : 24) * G; }
+AI void qt_rb6_unpack(const int t, const uint8_t *w, int K, int blk, const QTOut *o) {
+    const int G = K / 32, iq = qt_rb16(t);
+    const uint8_t *hi = w + 16 * G, *scb = w + qt_rb6_scales_at(t, G) + 16 * blk;
+    const float d = qt_f16(w + qt_rb6_scales_at(t, G) + 2 * G + 2 * blk) * qt_kv(t)->dk;
     for (int i = 0; i < 8; i++) {
         o->sc[2 * i] = d * (float)(int8_t)scb[i];
         o->sc[2 * i + 1] = d * (float)(int8_t)scb[8 + i];
         o->mn[2 * i] = o->mn[2 * i + 1] = 0.f;
     }
 #if defined(SS_AVX2)
+    if (iq) {
+        const __m256i m4 = _mm256_set1_epi8(15), kv = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)qt_kv(t)->v));
+        for (int qd = 0; qd < 2; qd++) {
+            __m256i c[4];
+            qt_rb_nibbles4(w + 128 * blk + 64 * qd, m4, c);
+            for (int j = 0; j < 4; j++) qt_store(o->q + 128 * qd + 32 * j, _mm256_shuffle_epi8(kv, c[j]));
+        }
+        return;
+    }
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
     for (int qd = 0; qd < 2; qd++) {
         const uint8_t *pb = w + 128 * blk + 64 * qd;
@@ -718,15 +739,15 @@ AI void qt_rb6_unpack(const uint8_t *w, int K, int blk, const QTOut *o) {
         const int g = 8 * blk + gi;
         const uint8_t *pb = w + 32 * (g / 2), *hb = hi + 32 * (g / 4);
         for (int j = 0; j < 32; j++) {
-            const int c = ((pb[j] >> (4 * (g & 1))) & 15) | (((hb[j] >> (2 * (g & 3))) & 3) << 4);
-            o->q[32 * gi + j] = (int8_t)(c - 32);
+            const int lo = (pb[j] >> (4 * (g & 1))) & 15;
+            o->q[32 * gi + j] = iq ? qt_kv(t)->v[lo] : (int8_t)((lo | (((hb[j] >> (2 * (g & 3))) & 3) << 4)) - 32);
         }
     }
 }
 
-// block blk of a row of type t (the re-blocked Q6_K's planes, or ggml's blocks)
+// block blk of a row of type t (the re-blocked Q6_K's planes, the per-16 IQ planes, or ggml's blocks)
 AI void qt_unpack_at(const int t, const uint8_t *w, int K, int blk, const QTOut *o) {
-    if (t == QT_R_Q6_K) qt_rb6_unpack(w, K, blk, o);
+    if (t == QT_R_Q6_K || qt_rb16(t)) qt_rb6_unpack(t, w, K, blk, o);
     else qt_unpack(t, w + (int64_t)blk * qt_bytes(t), o);
 }
 
@@ -759,28 +780,37 @@ static inline void qt_rb6_pack_row(const uint8_t *src, int K, uint8_t *dst) {
 // arithmetic for every number of rows, so a row's result does not depend on the rows beside it: from 2 rows
 // on this used to accumulate lane-wise and from 3 to take the decoded-block path (batch 1 and batch 2 rows
 // then differed, and the K-quant file's batch-8 step was 1.28x slower: docs/BENCHMARKS.md).
-AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd, int nb, float *out) {
-    const int G = K / 32;
-    const uint8_t *hi = w + 16 * G, *scb = w + 24 * G, *dh = w + 26 * G;
+// The per-16 IQ planes (t: qt_rb16) the same way, their codes looked up (one byte shuffle) instead of built from
+// two planes: |v| <= 64 (ss_reencode's rule), so a madd's int16 pairs stay exact.
+AI void qt_rb6_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, const int8_t *xq, const float *xd,
+                      int nb, float *out) {
+    const int G = K / 32, iq = qt_rb16(t);
+    const uint8_t *hi = w + 16 * G, *scb = w + qt_rb6_scales_at(t, G), *dh = scb + 2 * G;
     __m128 acc[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kvt->v));
     for (int sb = 0; sb < K / 256; sb++) {
-        const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb));
+        const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb) * kvt->dk);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scb + 16 * sb)));
         for (int qd = 0; qd < 2; qd++) {
             const int g = 8 * sb + 4 * qd;
-            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
-            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g + 32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
-            __m256i ws[4] = {
-                _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(h, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+            __m256i ws[4];
+            if (iq) {
+                qt_rb_nibbles4(w + 16 * g, m4, ws);
+                for (int j = 0; j < 4; j++) ws[j] = _mm256_shuffle_epi8(kv, ws[j]);
+            } else {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w + 16 * g));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(w + 16 * g + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i *)(hi + 8 * g));
+                ws[0] = _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+                ws[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+                ws[2] = _mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(h, m30));
+                ws[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                for (int j = 0; j < 4; j++) ws[j] = _mm256_sub_epi8(ws[j], k32);
+            }
             __m256i wa[4], sp[4];
             for (int j = 0; j < 4; j++) {
-                ws[j] = _mm256_sub_epi8(ws[j], k32);
                 wa[j] = _mm256_sign_epi8(ws[j], ws[j]);
                 const int gi = 4 * qd + j;
                 sp[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((2 * gi) | ((2 * gi + 1) << 8))));
@@ -812,16 +842,21 @@ AI void qt_rb6_q8_row(const uint8_t *w, int K, const int8_t *xq, const float *xd
 // w[r]: weight row r (the re-blocked planes); xh [nb][K / 16]: the activation rows' per-16 code sums (int16).
 // pf: 8 x 210 K / 256 bytes (the next block of 8 rows) prefetched into L2, 210 bytes per group.
 // int16 partial sums are exact: 4 products of 63 x 127 per lane (32004).
-AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const float *xd, const int16_t *xh, int nb,
-                     const char *pf, __m256 out[MAX_ROWS]) {
-    const int G = K / 32;
+// The per-16 IQ planes (t: qt_rb16) the same way: their looked-up values v + 64 as the unsigned codes (|v| <= 64:
+// 21..107 for IQ2's), the 64 taken off as Q6_K's 32 is, and one madd per maddubs (2 products of up to 128 x 127
+// per int16 lane; 4 would overflow). d is the file's times the type's power of two dk.
+AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8], int K, const int8_t *xq,
+                     const float *xd, const int16_t *xh, int nb, const char *pf, __m256 out[MAX_ROWS]) {
+    const int G = K / 32, iq = qt_rb16(t), off_shift = iq ? 6 : 5, row_pf = iq ? 146 : 210;
+    const int64_t scb = qt_rb6_scales_at(t, G);
     __m256 acc[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    const __m256i lut = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kvt->v)), _mm256_set1_epi8(64));
     _Alignas(32) int8_t codes[4][8][32];   // four groups' codes, lanes = rows (read from L1 by the products)
     for (int sb = 0; sb < G / 8; sb++) {
         _Alignas(16) uint16_t dh[8];
-        for (int r = 0; r < 8; r++) memcpy(&dh[r], w[r] + 26 * (int64_t)G + 2 * sb, 2);
+        for (int r = 0; r < 8; r++) memcpy(&dh[r], w[r] + scb + 2 * (int64_t)G + 2 * sb, 2);
 #if defined(__F16C__)
         const __m256 d8 = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)dh));
 #else
@@ -829,11 +864,22 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
                                          qt_f16((const uint8_t *)&dh[3]), qt_f16((const uint8_t *)&dh[4]), qt_f16((const uint8_t *)&dh[5]),
                                          qt_f16((const uint8_t *)&dh[6]), qt_f16((const uint8_t *)&dh[7]));
 #endif
+        const __m256 d8k = iq ? _mm256_mul_ps(d8, _mm256_set1_ps(kvt->dk)) : d8;
         __m256i T[4];   // the sub-block scales: T[k] bytes i = group 4k + i's first (k < 2) or second (k >= 2) scale
-        rows8_t16(w, 24 * (int64_t)G + 16 * sb, T);
+        rows8_t16(w, scb + 16 * sb, T);
         for (int h4 = 0; h4 < 2; h4++) {
             const int g0 = 8 * sb + 4 * h4;
-            {   // decode four groups: the low-nibble plane (two pairs of groups) and the top-two-bits plane
+            if (iq) {   // decode four groups: the nibble plane's two pairs, looked up
+                __m256i L[8];
+                for (int p = 0; p < 2; p++) {
+                    rows8_t16(w, 16 * (int64_t)(g0 + 2 * p), L), rows8_t16(w, 16 * (int64_t)(g0 + 2 * p) + 16, L + 4);
+                    for (int j = 0; j < 8; j++) {
+                        _mm256_store_si256((__m256i *)codes[2 * p][j], _mm256_shuffle_epi8(lut, _mm256_and_si256(L[j], m4)));
+                        _mm256_store_si256((__m256i *)codes[2 * p + 1][j],
+                                           _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(L[j], 4), m4)));
+                    }
+                }
+            } else {   // decode four groups: the low-nibble plane (two pairs of groups) and the top-two-bits plane
                 __m256i L[8], H[8];
                 rows8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0, H), rows8_t16(w, 16 * (int64_t)G + 8 * (int64_t)g0 + 16, H + 4);
                 for (int p = 0; p < 2; p++) {
@@ -850,7 +896,7 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
             for (int i = 0; i < 4; i++) {
                 const int g = g0 + i;
                 if (pf)
-                    for (int o = 0; o < 210; o += 64) __builtin_prefetch(pf + 210 * (int64_t)g + o, 0, 2);
+                    for (int o = 0; o < row_pf; o += 64) __builtin_prefetch(pf + row_pf * (int64_t)g + o, 0, 2);
                 // the rows' two scales as int16: (sa, sa), (sb, sb) and (sa, sb) per lane
                 const __m256i ctl = _mm256_setr_epi8(-128, i, -128, i, -128, 4 + i, -128, 4 + i, -128, 8 + i, -128, 8 + i,
                                                      -128, 12 + i, -128, 12 + i, -128, i, -128, i, -128, 4 + i, -128, 4 + i,
@@ -862,16 +908,24 @@ AI void qt_rb6_rows8(const uint8_t *const w[8], int K, const int8_t *xq, const f
                 SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                     __m256i x[8];
                     rows8_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
+                    __m256i s;
+                    if (iq) {
+                        __m256i e[8];
+                        for (int j = 0; j < 8; j++) e[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + j), x[j]), j < 4 ? sa : sbv);
+                        s = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(e[0], e[1]), _mm256_add_epi32(e[2], e[3])),
+                                             _mm256_add_epi32(_mm256_add_epi32(e[4], e[5]), _mm256_add_epi32(e[6], e[7])));
+                    } else {
                     const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 0), x[0]), _mm256_maddubs_epi16(_mm256_load_si256(q + 1), x[1]));
                     const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 2), x[2]), _mm256_maddubs_epi16(_mm256_load_si256(q + 3), x[3]));
                     const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 4), x[4]), _mm256_maddubs_epi16(_mm256_load_si256(q + 5), x[5]));
                     const __m256i p3 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(q + 6), x[6]), _mm256_maddubs_epi16(_mm256_load_si256(q + 7), x[7]));
-                    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, sa), _mm256_madd_epi16(p1, sa)),
-                                                       _mm256_add_epi32(_mm256_madd_epi16(p2, sbv), _mm256_madd_epi16(p3, sbv)));
+                    s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, sa), _mm256_madd_epi16(p1, sa)),
+                                         _mm256_add_epi32(_mm256_madd_epi16(p2, sbv), _mm256_madd_epi16(p3, sbv)));
+                    }
                     int32_t hv;
                     memcpy(&hv, xh + (int64_t)b * (K / 16) + 2 * (int64_t)g, 4);
-                    const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sab, _mm256_set1_epi32(hv)), 5);
-                    const __m256 f = _mm256_mul_ps(d8, _mm256_broadcast_ss(xd + (int64_t)b * G + g));
+                    const __m256i off = _mm256_sll_epi32(_mm256_madd_epi16(sab, _mm256_set1_epi32(hv)), _mm_cvtsi32_si128(off_shift));
+                    const __m256 f = _mm256_mul_ps(d8k, _mm256_broadcast_ss(xd + (int64_t)b * G + g));
                     acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, off)), f, acc[b]);
                 }
             }
@@ -1218,7 +1272,8 @@ AI void qt_code_sums16(const int8_t *xq, int K, int nb, int16_t *xh) {
 // Types whose scale (and minimum) is shared by 32 weights: a whole row is decoded first, then
 // multiplied by the 8-bit layout's kernels (four groups per reduction), plus the offset term.
 AI int qt_per32(const int t) {
-    return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K && t != QT_R_Q6_K && t != QT_IQ2_XS && t != QT_IQ2_S && t != QT_IQ1_M;
+    return t != QT_Q2_K && t != QT_Q3_K && t != QT_Q6_K && t != QT_R_Q6_K && t != QT_IQ2_XS && t != QT_IQ2_S && t != QT_IQ1_M &&
+           !qt_rb16(t);
 }
 
 AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *sc, float *mn) {
@@ -1321,7 +1376,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
     X(QT_R_Q5_K) X(QT_R_Q6_K) X(QT_IQ2_XXS) X(QT_IQ2_XS) X(QT_IQ2_S) X(QT_IQ3_XXS) X(QT_IQ3_S) X(QT_IQ1_S) X(QT_IQ1_M) \
     X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4) X(QT_R_IQ2_XXS) X(QT_R_IQ3_XXS) X(QT_R_IQ1_S) X(QT_R_IQ3_S) X(QT_R_TQ1_0) \
-    X(QT_R_TQ2_0) X(QT_R_MXFP4)
+    X(QT_R_TQ2_0) X(QT_R_MXFP4) X(QT_R_IQ2_XS) X(QT_R_IQ2_S) X(QT_R_IQ1_M)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
@@ -1334,9 +1389,11 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0:
         { enum { T_ = QT_R_IQ4_XS }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
     case QT_R_MXFP4: { enum { T_ = QT_R_IQ4_NL }; SS_BY_ROWS(nb, QT_RB_ROWS) } return;
-#define QT_RB6_ROWS(NB) qt_rb6_q8_row(w, K, xq, xd, NB, out)
+#define QT_RB6_ROWS(NB) qt_rb6_q8_row(T_, qt_kv(t), w, K, xq, xd, NB, out)
     QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL) QT_RB_CASE(QT_R_IQ4_XS) QT_RB_CASE(QT_R_Q5_K)
-    case QT_R_Q6_K: SS_BY_ROWS(nb, QT_RB6_ROWS) return;
+    case QT_R_Q6_K: { enum { T_ = QT_R_Q6_K }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
+    // the per-16 IQ planes on Q6_K's kernels, with their own values
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: { enum { T_ = QT_R_IQ2_XS }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
 #undef QT_RB6_ROWS
 #undef QT_RB_CASE
 #undef QT_RB_ROWS

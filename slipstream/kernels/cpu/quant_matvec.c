@@ -143,9 +143,45 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
 // codes as they are). Every weight keeps its value: a block where that does not hold (a code outside the 16,
 // MXFP4's exponent out of fp16's range) makes the whole call return 0, and the caller keeps the file's blocks. n rows of K weights (K a multiple of
 // 256, of 64 for MXFP4); dst: n rows of K / 256 x 136 bytes (MXFP4: K / 32 x 18). Returns 1 when done.
+// The types whose scale is per 16 weights, d dk (2 l + 1) (IQ2_XS, IQ2_S: dk = 1/8; IQ1_M: 1/8, the values 8 g +- 1),
+// go into the per-16 IQ planes instead (qtypes.h's qt_rb16: codes, int8 scales, the file's fp16 d; 146 bytes per 256).
+static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of, const uint8_t *row, int K, uint8_t *o) {
+    const int G = K / 32, BB = qt_bytes(qtype);
+    memset(o, 0, (size_t)K / 256 * 146);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *p = row + (int64_t)b * BB;
+        QTBlock u;
+        qt_unpack(qtype, p, &(QTOut){u.q, u.sc, u.mn});
+        // IQ1_M keeps its fp16 d in the top nibbles of its four scale words (the decoder's d)
+        uint16_t h;
+        if (qtype == QT_IQ1_M) {
+            uint16_t s4[4];
+            memcpy(s4, p + 48, 8);
+            h = (uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000));
+        } else {
+            memcpy(&h, p, 2);
+        }
+        const float dx = qt_f16((const uint8_t *)&h) * vals->dk;   // exact: a power of two
+        memcpy(o + 18 * G + 2 * b, &h, 2);
+        for (int s = 0; s < 16; s++) {   // sub-block s: group 8 b + s / 2, its first (s even) or second half
+            const float m = dx != 0.f ? u.sc[s] / dx : 0.f;
+            if (!(m == m && fabsf(m) < 128.f)) return 0;   // not NaN (an inf or NaN d), in range before the cast
+            if ((float)(int)m != m || dx * (float)(int)m != u.sc[s]) return 0;
+            o[16 * G + 16 * b + (s & 1) * 8 + s / 2] = (uint8_t)(int8_t)(int)m;
+            const int g = 8 * b + s / 2;
+            for (int l = 0; l < 16; l++) {
+                const int c = code_of[(uint8_t)u.q[16 * s + l]];
+                if (c < 0) return 0;
+                o[32 * (g / 2) + 16 * (s & 1) + l] |= (uint8_t)(c << (4 * (g & 1)));
+            }
+        }
+    }
+    return 1;
+}
+
 int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
-    const int nl = qtype == QT_MXFP4, rt = 100 + qtype;
-    if ((!qt_rb_xs(rt) || rt == QT_R_IQ4_XS) && rt != QT_R_MXFP4) return 0;   // only the types above
+    const int nl = qtype == QT_MXFP4, rt = 100 + qtype, per16 = qt_rb16(rt);
+    if ((!qt_rb_xs(rt) || rt == QT_R_IQ4_XS) && rt != QT_R_MXFP4 && !per16) return 0;   // only the types above
     if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && !qt_grids.ready) return 0;
     const int64_t in_row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype), out_row = (int64_t)K / qt_block(rt) * qt_bytes(rt);
     const int d_at = qtype == QT_TQ1_0 ? 52 : qtype == QT_TQ2_0 ? 64 : 0;
@@ -164,6 +200,12 @@ int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
         }
         const uint8_t *row = src + r * in_row;
         int good = 1;
+        if (per16) {
+            good = reencode16_row(qtype, vals, code_of, row, K, dst + r * out_row);
+            free(blocks);
+            ok = ok && good;
+            continue;
+        }
         if (nl) {
             for (int g = 0; g < K / 32 && good; g++) {   // e8m0 + 16 code bytes -> fp16 d + the same bytes
                 int zero = 1;   // every code 0 or 8 (+-0): any scale gives +0, so fp16's 0 does (an all-zero block's e = 0)

@@ -203,7 +203,7 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #else
 #define F16C_BUILD 0
 #endif
-// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's, bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's, bit 5
+// ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's (and the per-16 IQ planes'), bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's, bit 5
 // IQ4_NL's and IQ4_XS's; a kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B).
 // Batch 1 comes first, so a bit is on by default only where its 8-row kernel costs nothing there (step_ab.py on
 // the re-quantized default model; docs/BENCHMARKS.md, 2026-11-29 and 2026-12-01):
@@ -228,7 +228,7 @@ __attribute__((constructor)) static void rows8_default(void) {
 // whether m's products run on the 8-row kernels now: its kind's ss_set_rows8 bit is on
 static inline int rows8_on(const SSMat *m) {
     const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
-                  : m->qtype == QT_R_Q6_K ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
+                  : m->qtype == QT_R_Q6_K || qt_rb16(m->qtype) ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
                   : qt_rb_iq4(m->qtype) ? 32 : 0;
     return (rows8_usable & bit) != 0;
 }
@@ -435,10 +435,12 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 }
 
 #if defined(SS_AVX2)
-// Rows [n0, n1) of a re-blocked Q6_K matrix on the fast path, 8 weight rows at a time (qtypes.h qt_rb6_rows8)
+// Rows [n0, n1) of a re-blocked Q6_K matrix, or of the per-16 IQ planes (qt_rb16), on the fast path, 8 weight rows
+// at a time (qtypes.h qt_rb6_rows8)
 __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k;
+    const int K = m->k, iq = qt_rb16(m->qtype);
+    const QTValues *kvt = qt_kv(m->qtype);
     const int16_t *xh = x->h;
     if (!xh) {   // a decode task's rows: summed here, once for the task's weight rows
         int16_t *t = alloca(sizeof(int16_t) * (size_t)nb * (K / 16));
@@ -451,7 +453,8 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
         const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
         __m256 out[MAX_ROWS];
-#define Q6I(NB) qt_rb6_rows8(w, K, x->q, x->d, xh, NB, pf, out)
+#define Q6I(NB) if (iq) qt_rb6_rows8(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
+                else qt_rb6_rows8(QT_R_Q6_K, kvt, w, K, x->q, x->d, xh, NB, pf, out);
         SS_BY_ROWS(nb, Q6I)
 #undef Q6I
         rows8_store(m, out, nb, n, live, y, ystride, accumulate);
@@ -528,7 +531,8 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
         }                                                                                           \
     }
 #define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, kvt, w, K, xq, xd, xs, NB, out))
-#define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(w, K, xq, xd, NB, out))
+#define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_Q6_K, kvt, w, K, xq, xd, NB, out))
+#define QTR16_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_IQ2_XS, kvt, w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
     const int layout = qt_rb_layout(m->qtype);
     const QTValues *kvt = qt_kv(m->qtype);
@@ -545,9 +549,17 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
         }
         SS_BY_ROWS(nb, QTR6_LOOP)
         return 1;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M:
+        if (rows8_on(m)) {
+            q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
+            return 1;
+        }
+        SS_BY_ROWS(nb, QTR16_LOOP)
+        return 1;
     default: return 0;
     }
 #undef QTR_CASE
+#undef QTR16_LOOP
 #undef QTR6_LOOP
 #undef QTR_LOOP
 #undef QTR_NEST
@@ -704,7 +716,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #endif
     if (B > MAX_ROWS) {   // blocks of weight rows (~16 KB: they stay in L1) against every chunk of MAX_ROWS rows
 #if defined(SS_AVX2)
-        if (!exact && x->q && !x->h && m->kind == KIND_QT && m->qtype == QT_R_Q6_K && rows8_on(m)) {
+        if (!exact && x->q && !x->h && m->kind == KIND_QT && (m->qtype == QT_R_Q6_K || qt_rb16(m->qtype)) && rows8_on(m)) {
             // Q6_K's per-16 code sums once for this call's rows (a task's share of a prompt chunk), not once per
             // weight block
             SSAct xh = *x;
@@ -1542,7 +1554,7 @@ void ss_matmul(const SSMat *m, int B, const float *x, float *y, int exact) {
     for (const SSMat *p = m; p; p = p->next) {
         N += p->n;
 #if defined(SS_AVX2)
-        q6 |= p->kind == KIND_QT && p->qtype == QT_R_Q6_K && rows8_on(p);
+        q6 |= p->kind == KIND_QT && (p->qtype == QT_R_Q6_K || qt_rb16(p->qtype)) && rows8_on(p);
 #endif
     }
 #if defined(SS_AVX2)
