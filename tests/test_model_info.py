@@ -112,13 +112,17 @@ def test_inspect_cli_on_a_family_file(tmp_path: Path):
 
 
 def test_inspect_marks_the_types_re_encoded_at_load(tmp_path: Path):
-    """IQ3_S weights become the IQ4 kernels' 4-bit planes at load (4.25 bits a weight): `inspect` says so;
-    with SLIPSTREAM_IQ_IN_PLACE=1 they stay the file's blocks and the note goes."""
+    """IQ3_S weights become the IQ4 kernels' 4-bit planes at load (4.25 bits a weight), IQ2_XS ones the per-16 planes
+    (4.56): `inspect` says so; with SLIPSTREAM_IQ_IN_PLACE=1 they stay the file's blocks and the note goes."""
     gguf = pytest.importorskip("gguf")
     from support import tiny_llama_gguf
-    tiny_llama_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_down": gguf.GGMLQuantizationType.IQ3_S}, size=0.1)
-    line = next(x for x in inspect(str(tmp_path / "iq.gguf")).stdout.splitlines() if x.strip().startswith("IQ3_S"))
+    QT = gguf.GGMLQuantizationType
+    tiny_llama_gguf(tmp_path / "iq.gguf", {"blk.0.ffn_down": QT.IQ3_S, "blk.0.ffn_up": QT.IQ2_XS}, size=0.1)
+    out = inspect(str(tmp_path / "iq.gguf")).stdout.splitlines()
+    line = next(x for x in out if x.strip().startswith("IQ3_S"))
     assert "re-encoded at load into 4-bit planes (4.25 bits a weight)" in line
+    line = next(x for x in out if x.strip().startswith("IQ2_XS"))
+    assert "re-encoded at load into 4-bit planes (4.56 bits a weight)" in line
     env = {**os.environ, "SLIPSTREAM_IQ_IN_PLACE": "1"}
     kept = subprocess.run([sys.executable, "-m", "slipstream", "inspect", str(tmp_path / "iq.gguf")],
                           capture_output=True, text=True, timeout=300, env=env)

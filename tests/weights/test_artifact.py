@@ -45,7 +45,7 @@ def test_the_artifact_is_the_same_model(artifact):
     prompts = ["Once upon a time", "def fib(n):"]
     assert [o.token_ids for o in la.generate(prompts, p)] == [o.token_ids for o in lb.generate(prompts, p)]
     manifest = json.loads((artifact / "slipstream-artifact.json").read_text())
-    assert manifest["format"] == 3 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
+    assert manifest["format"] == 4 and manifest["weights"]["lm_head"] == "embed"   # tied weights stored once
 
 
 def test_the_artifact_carries_validated_plans_and_kernel_configs(artifact):

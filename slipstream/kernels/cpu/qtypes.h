@@ -948,6 +948,72 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
 }
 
+#if defined(SS_AVX512) && defined(SS_VNNI)
+// qt_rb6_rows8's VNNI arithmetic for the per-16 IQ planes over 16 weight rows at once, lanes = rows of 512-bit
+// registers, for CPUs whose 512-bit vpdpbusd runs at the 256-bit one's rate (amx.h's twin_from_rows), as
+// qt_rbnl_rows16 is for the IQ4 layouts. The integer sum per (group, row) is the 8-row kernel's (the 64 of the
+// unsigned codes taken off each sub-block's sum before its scale instead of after: the same integer), and the fp32
+// operations are its own, so the bits are the same. w[16] rows (a row past the range's end may repeat the last);
+// pf: the next block of 16 rows, pf_group bytes of it per group.
+AI void qt_rb16_rows16(const QTValues *kvt, const uint8_t *const w[16], int K, const int8_t *xq, const float *xd,
+                       const int16_t *xh, int nb, const char *pf, int64_t pf_group, __m512 out[MAX_ROWS]) {
+    const int G = K / 32;
+    const int64_t scb = 16 * (int64_t)G;
+    __m512 acc[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_add_epi8(_mm_load_si128((const __m128i *)kvt->v), _mm_set1_epi8(64)));
+    for (int sb = 0; sb < G / 8; sb++) {
+        uint16_t dh[16];
+        for (int r = 0; r < 16; r++) memcpy(&dh[r], w[r] + scb + 2 * (int64_t)G + 2 * sb, 2);
+        const __m512 dk = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), _mm512_set1_ps(kvt->dk));
+        __m512i T[4];   // as qt_rb6_rows8's T, rows 0-7 and 8-15 joined: T[k] byte 4 r + i = row r's scale of group 4 (k & 1) + i
+        {
+            __m256i lo[4], hi[4];
+            rows8_t16(w, scb + 16 * sb, lo), rows8_t16(w + 8, scb + 16 * sb, hi);
+            for (int k = 0; k < 4; k++) T[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[k]), hi[k], 1);
+        }
+        for (int gp = 0; gp < 8; gp += 2) {
+            __m512i L[8];   // the pair's code bytes, lanes = rows
+            {
+                const int64_t at = 16 * (int64_t)(8 * sb + gp);
+                __m256i lo[8], hi[8];
+                rows8_t16(w, at, lo), rows8_t16(w, at + 16, lo + 4), rows8_t16(w + 8, at, hi), rows8_t16(w + 8, at + 16, hi + 4);
+                for (int jj = 0; jj < 8; jj++) L[jj] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[jj]), hi[jj], 1);
+            }
+            for (int e = 0; e < 2; e++) {
+                const int i = gp + e, g = 8 * sb + i;
+                if (pf)
+                    for (int64_t o = (pf_group * g + 63) & ~(int64_t)63; o < pf_group * (g + 1); o += 64) __builtin_prefetch(pf + o, 0, 2);
+                __m512i c[8];
+                for (int jj = 0; jj < 8; jj++)
+                    c[jj] = _mm512_shuffle_epi8(lut, _mm512_and_si512(e ? _mm512_srli_epi16(L[jj], 4) : L[jj], m4));
+                // group i's two sub-block scales, sign-extended to int32 lanes
+                const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(T[i >> 2], 24 - 8 * (i & 3)), 24);
+                const __m512i sbv = _mm512_srai_epi32(_mm512_slli_epi32(T[2 + (i >> 2)], 24 - 8 * (i & 3)), 24);
+                SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
+                    const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
+                    __m512i x[8];
+                    for (int j = 0; j < 8; j++) {
+                        int32_t v;
+                        memcpy(&v, a + 4 * j, 4);
+                        x[j] = _mm512_set1_epi32(v);
+                    }
+                    const int16_t *h = xh + (int64_t)b * (K / 16) + 2 * (int64_t)g;
+                    const __m512i z = _mm512_setzero_si512();
+                    const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
+                    const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[4], x[4]), c[5], x[5]), c[6], x[6]), c[7], x[7]);
+                    const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(e0, _mm512_set1_epi32(64 * h[0])), sa),
+                                                       _mm512_mullo_epi32(_mm512_sub_epi32(e1, _mm512_set1_epi32(64 * h[1])), sbv));
+                    acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dk, _mm512_set1_ps(xd[(int64_t)b * G + g])), acc[b]);
+                }
+            }
+        }
+    }
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = acc[b];
+}
+#endif
+
 // Q5_0, Q5_1 and Q5_K (re-blocked) over 8 weight rows at once, as q4i_rows8: the 5-bit codes unsigned (0..31),
 // transposed in registers to lanes = weight rows, four groups at a time (the nibble plane's two pairs and the
 // high plane's four; a last pair of groups when G % 4 == 2 decoded per row and transposed). Per (weight row n,

@@ -447,7 +447,28 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
         qt_code_sums16(x->q, K, nb, t);
         xh = t;
     }
-    for (int n = n0; n < n1; n += 8) {
+    int n = n0;
+#if defined(SS_TWIN)
+    // the per-16 IQ planes, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation
+    // rows on (the same bits as 8 at a time: qt_rb16_rows16)
+    if (iq && nb >= twin_from_rows && twin_usable)
+        for (; n + 8 < n1; n += 16) {
+            const int live = n1 - n < 16 ? n1 - n : 16;
+            const uint8_t *w[16];
+            for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
+            const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
+            __m512 out[MAX_ROWS];
+#define R16(NB) qt_rb16_rows16(kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
+            SS_BY_ROWS(nb, R16)
+#undef R16
+            __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
+                                         hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
+            rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
+            if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
+        }
+#endif
+    for (; n < n1; n += 8) {
         const int live = n1 - n < 8 ? n1 - n : 8;
         const uint8_t *w[8];
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
@@ -741,9 +762,10 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
         if (!twin && wb < 8 && !exact && x->q && rows8_on(m)) wb = 8;
 #endif
 #if defined(SS_TWIN)
-        // the IQ4 layouts' 16-row kernel (q5i_rows) where it runs: blocks of 16 rows (17 KB at K = 2048)
+        // the IQ4 layouts' and per-16 IQ planes' 16-row kernels (q5i_rows, q6i_rows) where they run: blocks of 16 rows
+        // (17 KB at K = 2048)
         if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS && twin_usable &&
-            qt_rb_iq4(m->qtype))
+            (qt_rb_iq4(m->qtype) || qt_rb16(m->qtype)))
             wb = wb < 16 ? 16 : wb & ~15;
 #endif
         for (int r0 = n0, r1; r0 < n1; r0 = r1) {
