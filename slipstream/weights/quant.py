@@ -1,6 +1,6 @@
 """Weight matrices, packed or dense, and their products with activations.
 
-A `Linear` holds an [N, K] weight in one of three ways:
+A `Linear` holds an [N, K] weight in one of these ways:
 - dense: a float32 tensor;
 - re-blocked into the native kernels' own layouts (`kernels/cpu/simd.h`), from Q4_0, Q4_1, Q4_K
   (as Q4_F32, our name for Q4_K in groups of 32 with float32 scale and min) and Q8_0:
@@ -12,7 +12,9 @@ A `Linear` holds an [N, K] weight in one of three ways:
 - re-blocked, from Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K (when K is a multiple of 64 and the native
   kernels are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
   bits, scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
-- raw: every other ggml type (Q2_K, Q3_K, Q4_K, F16, BF16, and the six above otherwise) as the
+- re-encoded, from the lattice, ternary and MXFP4 types and Q3_K (`REENCODE`): every value kept, in 4-bit planes
+  the fast kernels multiply (IQ4_XS's or IQ4_NL's with the type's own 16 values, or the per-16 IQ planes);
+- raw: every other ggml type (Q2_K, Q4_K, F16, BF16, and the ones above otherwise) as the
   file's own blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h`
   decodes them block by block inside the products).
 A fused product whose parts are stored in different ways (a Q4_K_M file's Q4_K Q/K with a Q6_K V)
@@ -57,10 +59,11 @@ REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 # their own values, MXFP4 into IQ4_NL's; every value kept (4.25 and 4.5 bits a weight, against 1.6-3.4 in
 # the file): the IQ4 kernels multiply them, 3.5-5x faster per core than decoding the file's blocks in each
 # product (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
-# The types whose scale is per 16 weights (IQ2_XS, IQ2_S, IQ1_M) go into the per-16 IQ planes (4.56 bits a weight;
-# qtypes.h qt_rb16), which Q6_K's kernels multiply.
-REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129}
-PER16_REENCODE = {17, 22, 29}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
+# The types whose scale is per 16 weights (IQ2_XS, IQ2_S, IQ1_M, and Q3_K: 8 codes x d (sc - 32)) go into the per-16
+# IQ planes (4.56 bits a weight; qtypes.h qt_rb16), which Q6_K's kernels multiply, 5-8x faster than decoding the
+# file's blocks (Q3_K: 3.44 bits a weight in the file).
+REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129, 11: 111}
+PER16_REENCODE = {17, 22, 29, 11}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
 REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
@@ -716,7 +719,8 @@ def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Lin
     free = available_memory()
     if free is not None and size > free // 2:   # half of what is free: the rest of the model, the KV cache
         return None
-    install_grids(lib)
+    if fmt in GRID_TYPES:
+        install_grids(lib)
     src = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw.contiguous()
     out = aligned_empty((n, size // n), np.uint8)
     fn = lib.ss_reencode

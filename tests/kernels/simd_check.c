@@ -106,7 +106,7 @@ static int check_qtypes(void) {
 // codes, odd sub-block scales and fp16 d: the decoding, both products (every build, Arm included) and, on AVX2,
 // the 8-row kernel bit for bit against its integer sums (as check_q6_rows8)
 static int check_rb16(void) {
-    static const int types[] = {QT_R_IQ2_XS, QT_R_IQ1_M};
+    static const int types[] = {QT_R_IQ2_XS, QT_R_IQ1_M, QT_R_Q3_K};
     enum { S = 3, K = 256 * S, G = K / 32, R = 3 };
     static uint8_t w[8][146 * S];
     static float x[MAX_ROWS][K], xd[MAX_ROWS * G], xs[MAX_ROWS * G], wf[K], out[MAX_ROWS], xsum[MAX_ROWS * G];

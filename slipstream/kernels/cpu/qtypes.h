@@ -31,9 +31,10 @@ enum {
     // quant_matvec.c's ss_reencode, exact), and MXFP4 into IQ4_NL's (4.5); the IQ4 kernels multiply them
     QT_R_IQ2_XXS = 116, QT_R_IQ3_XXS = 118, QT_R_IQ1_S = 119, QT_R_IQ3_S = 121, QT_R_TQ1_0 = 134, QT_R_TQ2_0 = 135,
     QT_R_MXFP4 = 139,
-    // ours: the lattice types whose every weight is one of 16 values times a per-16 scale d (2 l + 1) (IQ2_XS,
-    // IQ2_S, IQ1_M), re-encoded at load into the per-16 IQ planes (4.56 bits a weight; qt_rb16 below, exact)
-    QT_R_IQ2_XS = 117, QT_R_IQ2_S = 122, QT_R_IQ1_M = 129,
+    // ours: the types whose every weight is one of 16 values times a per-16 integer scale and a per-256 fp16 d
+    // (IQ2_XS, IQ2_S, IQ1_M: 2 l + 1; Q3_K: its 8 codes -4..3, sc - 32), re-encoded at load into the per-16 IQ
+    // planes (4.56 bits a weight; qt_rb16 below, exact)
+    QT_R_IQ2_XS = 117, QT_R_IQ2_S = 122, QT_R_IQ1_M = 129, QT_R_Q3_K = 111,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -58,7 +59,7 @@ static inline int qt_block(int t) {
     case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 256;
     case QT_R_MXFP4: return 32;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: return 256;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: case QT_IQ1_M:
     case QT_TQ1_0: case QT_TQ2_0: return 256;
@@ -76,7 +77,7 @@ static inline int qt_bytes(int t) {
     case QT_R_IQ4_XS: return 136; case QT_R_Q5_K: return 176;
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 136;
     case QT_R_MXFP4: return 18;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: return 146;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: return 146;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     case QT_IQ2_XXS: return 66; case QT_IQ2_XS: return 74; case QT_IQ2_S: return 82; case QT_IQ3_XXS: return 98;
@@ -96,7 +97,7 @@ static inline int qt_rb_xs(int t) {
            t == QT_R_TQ1_0 || t == QT_R_TQ2_0;
 }
 // the re-encoded types of the per-16 IQ planes (qt_rb6_q8_row's and qt_rb6_rows8's, as Q6_K's)
-static inline int qt_rb16(int t) { return t == QT_R_IQ2_XS || t == QT_R_IQ2_S || t == QT_R_IQ1_M; }
+static inline int qt_rb16(int t) { return t == QT_R_IQ2_XS || t == QT_R_IQ2_S || t == QT_R_IQ1_M || t == QT_R_Q3_K; }
 // the layout whose kernels multiply t's rows: IQ4_XS's or IQ4_NL's for the re-encoded types, else t itself
 static inline int qt_rb_layout(int t) { return qt_rb_xs(t) ? QT_R_IQ4_XS : t == QT_R_MXFP4 ? QT_R_IQ4_NL : t; }
 // rows the IQ4 kernels multiply (IQ4_NL's or IQ4_XS's layout, the re-encoded types included)
@@ -141,6 +142,7 @@ static const QTValues QT_VALUES_IQ3XXS = {{-62, -52, -44, -36, -28, -20, -12, -4
 static const QTValues QT_VALUES_IQ3S = {{-15, -13, -11, -9, -7, -5, -3, -1, 1, 3, 5, 7, 9, 11, 13, 15}, 1.f};
 static const QTValues QT_VALUES_IQ1 = {{-9, -7, -1, 1, 7, 9}, 0.125f};
 static const QTValues QT_VALUES_TERNARY = {{-1, 0, 1, 2}, 1.f};
+static const QTValues QT_VALUES_Q3 = {{-4, -3, -2, -1, 0, 1, 2, 3}, 1.f};   // Q3_K's codes
 static const QTValues QT_VALUES_MXFP4 = {{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, 1.f};
 static inline const QTValues *qt_kv(int t) {
     switch (t) {
@@ -150,6 +152,7 @@ static inline const QTValues *qt_kv(int t) {
     case QT_R_IQ1_S: case QT_R_IQ1_M: return &QT_VALUES_IQ1;
     case QT_R_TQ1_0: case QT_R_TQ2_0: return &QT_VALUES_TERNARY;
     case QT_R_MXFP4: return &QT_VALUES_MXFP4;
+    case QT_R_Q3_K: return &QT_VALUES_Q3;
     default: return &QT_VALUES_IQ4;
     }
 }
@@ -1456,7 +1459,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
     X(QT_R_Q5_K) X(QT_R_Q6_K) X(QT_IQ2_XXS) X(QT_IQ2_XS) X(QT_IQ2_S) X(QT_IQ3_XXS) X(QT_IQ3_S) X(QT_IQ1_S) X(QT_IQ1_M) \
     X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4) X(QT_R_IQ2_XXS) X(QT_R_IQ3_XXS) X(QT_R_IQ1_S) X(QT_R_IQ3_S) X(QT_R_TQ1_0) \
-    X(QT_R_TQ2_0) X(QT_R_MXFP4) X(QT_R_IQ2_XS) X(QT_R_IQ2_S) X(QT_R_IQ1_M)
+    X(QT_R_TQ2_0) X(QT_R_MXFP4) X(QT_R_IQ2_XS) X(QT_R_IQ2_S) X(QT_R_IQ1_M) X(QT_R_Q3_K)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
@@ -1473,7 +1476,8 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
     QT_RB_CASE(QT_R_Q5_0) QT_RB_CASE(QT_R_Q5_1) QT_RB_CASE(QT_R_IQ4_NL) QT_RB_CASE(QT_R_IQ4_XS) QT_RB_CASE(QT_R_Q5_K)
     case QT_R_Q6_K: { enum { T_ = QT_R_Q6_K }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
     // the per-16 IQ planes on Q6_K's kernels, with their own values
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: { enum { T_ = QT_R_IQ2_XS }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K:
+        { enum { T_ = QT_R_IQ2_XS }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
 #undef QT_RB6_ROWS
 #undef QT_RB_CASE
 #undef QT_RB_ROWS

@@ -143,8 +143,9 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
 // codes as they are). Every weight keeps its value: a block where that does not hold (a code outside the 16,
 // MXFP4's exponent out of fp16's range) makes the whole call return 0, and the caller keeps the file's blocks. n rows of K weights (K a multiple of
 // 256, of 64 for MXFP4); dst: n rows of K / 256 x 136 bytes (MXFP4: K / 32 x 18). Returns 1 when done.
-// The types whose scale is per 16 weights, d dk (2 l + 1) (IQ2_XS, IQ2_S: dk = 1/8; IQ1_M: 1/8, the values 8 g +- 1),
-// go into the per-16 IQ planes instead (qtypes.h's qt_rb16: codes, int8 scales, the file's fp16 d; 146 bytes per 256).
+// The types whose scale is per 16 weights, d dk (2 l + 1) (IQ2_XS, IQ2_S: dk = 1/8; IQ1_M: 1/8, the values 8 g +- 1;
+// Q3_K: d (sc - 32), dk = 1, the codes -4..3), go into the per-16 IQ planes instead (qtypes.h's qt_rb16: codes, int8
+// scales, the file's fp16 d; 146 bytes per 256).
 static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of, const uint8_t *row, int K, uint8_t *o) {
     const int G = K / 32, BB = qt_bytes(qtype);
     memset(o, 0, (size_t)K / 256 * 146);
@@ -159,7 +160,7 @@ static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of
             memcpy(s4, p + 48, 8);
             h = (uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000));
         } else {
-            memcpy(&h, p, 2);
+            memcpy(&h, p + (qtype == QT_Q3_K ? 108 : 0), 2);
         }
         const float dx = qt_f16((const uint8_t *)&h) * vals->dk;   // exact: a power of two
         memcpy(o + 18 * G + 2 * b, &h, 2);
@@ -182,7 +183,7 @@ static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of
 int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     const int nl = qtype == QT_MXFP4, rt = 100 + qtype, per16 = qt_rb16(rt);
     if ((!qt_rb_xs(rt) || rt == QT_R_IQ4_XS) && rt != QT_R_MXFP4 && !per16) return 0;   // only the types above
-    if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && !qt_grids.ready) return 0;
+    if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && qtype != QT_Q3_K && !qt_grids.ready) return 0;
     const int64_t in_row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype), out_row = (int64_t)K / qt_block(rt) * qt_bytes(rt);
     const int d_at = qtype == QT_TQ1_0 ? 52 : qtype == QT_TQ2_0 ? 64 : 0;
     const QTValues *vals = qt_kv(rt);

@@ -570,7 +570,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
         }
         SS_BY_ROWS(nb, QTR6_LOOP)
         return 1;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M:
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K:
         if (rows8_on(m)) {
             q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
             return 1;
