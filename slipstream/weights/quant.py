@@ -12,9 +12,9 @@ A `Linear` holds an [N, K] weight in one of these ways:
 - re-blocked, from Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS and Q6_K (when K is a multiple of 64 and the native
   kernels are built): the same bytes per row as the file's blocks, laid out by planes (low 4 bits, high
   bits, scales; `kernels/cpu/qtypes.h`, QT_R_*) so the products read them as the 4-bit layout's;
-- re-encoded, from the lattice, ternary and MXFP4 types and Q3_K (`REENCODE`): every value kept, in 4-bit planes
+- re-encoded, from the lattice, ternary and MXFP4 types, Q2_K and Q3_K (`REENCODE`): every value kept, in 4-bit planes
   the fast kernels multiply (IQ4_XS's or IQ4_NL's with the type's own 16 values, or the per-16 IQ planes);
-- raw: every other ggml type (Q2_K, Q4_K, F16, BF16, and the ones above otherwise) as the
+- raw: every other ggml type (Q4_K, F16, BF16, and the ones above otherwise) as the
   file's own blocks, row by row, read in place from the memory-mapped GGUF (`kernels/cpu/qtypes.h`
   decodes them block by block inside the products).
 A fused product whose parts are stored in different ways (a Q4_K_M file's Q4_K Q/K with a Q6_K V)
@@ -61,9 +61,9 @@ REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 # product (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
 # The types whose scale is per 16 weights (IQ2_XS, IQ2_S, IQ1_M, and Q3_K: 8 codes x d (sc - 32)) go into the per-16
 # IQ planes (4.56 bits a weight; qtypes.h qt_rb16), which Q6_K's kernels multiply, 5-8x faster than decoding the
-# file's blocks (Q3_K: 3.44 bits a weight in the file).
-REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129, 11: 111}
-PER16_REENCODE = {17, 22, 29, 11}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
+# file's blocks (Q3_K: 3.44 bits a weight in the file). Q2_K's planes add its per-16 minimums (5.13 bits, against 2.63).
+REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129, 11: 111, 10: 110}
+PER16_REENCODE = {17, 22, 29, 11, 10}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
 REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from
 MIXED = -1   # `fmt` of a Linear made of `parts` stored in different ways
 # From this many activation rows on (prefill), widen the weights once and use BLAS: the matvec
@@ -341,6 +341,9 @@ class Linear:
             d = self.data
             if REBLOCKED[self.fmt] in PER16_REENCODE:   # codes, 16 int8 scales per 8 groups, then an fp16 d per 8
                 cut = [d[:, 16 * g0:16 * g1], d[:, 16 * G + 2 * g0:16 * G + 2 * g1], d[:, 18 * G + g0 // 4:18 * G + g1 // 4]]
+                if REBLOCKED[self.fmt] == 10:   # Q2_K's minimums and dmin, as the scales and d
+                    m = 18 * G + G // 4
+                    cut += [d[:, m + 2 * g0:m + 2 * g1], d[:, m + 2 * G + g0 // 4:m + 2 * G + g1 // 4]]
             else:
                 cut = [d[:, 16 * g0:16 * g1], d[:, 16 * G + head * g0:16 * G + head * g1]]
             return Linear(self.n, c1 - c0, torch.cat(cut, dim=1).contiguous(), self.fmt)
@@ -703,8 +706,8 @@ def iq_in_place(on: bool) -> Iterator[None]:
 
 def reencoded_row_bytes(fmt: int, k: int) -> int:
     """Bytes of one row of K weights of a REENCODE type (the ggml id) once re-encoded: IQ4_NL's planes for MXFP4
-    (18 per 32), the per-16 IQ planes (146 per 256), else IQ4_XS's (136 per 256)."""
-    return k // 32 * 18 if fmt == 39 else k // 256 * (146 if fmt in PER16_REENCODE else 136)
+    (18 per 32), the per-16 IQ planes (146 per 256; Q2_K's with minimums 164), else IQ4_XS's (136 per 256)."""
+    return k // 32 * 18 if fmt == 39 else k // 256 * (164 if fmt == 10 else 146 if fmt in PER16_REENCODE else 136)
 
 
 def _reencoded(fmt: int, raw: np.ndarray | torch.Tensor, n: int, k: int) -> "Linear | None":

@@ -106,9 +106,9 @@ static int check_qtypes(void) {
 // codes, odd sub-block scales and fp16 d: the decoding, both products (every build, Arm included) and, on AVX2,
 // the 8-row kernel bit for bit against its integer sums (as check_q6_rows8)
 static int check_rb16(void) {
-    static const int types[] = {QT_R_IQ2_XS, QT_R_IQ1_M, QT_R_Q3_K};
+    static const int types[] = {QT_R_IQ2_XS, QT_R_IQ1_M, QT_R_Q3_K, QT_R_Q2_K};
     enum { S = 3, K = 256 * S, G = K / 32, R = 3 };
-    static uint8_t w[8][146 * S];
+    static uint8_t w[8][164 * S];
     static float x[MAX_ROWS][K], xd[MAX_ROWS * G], xs[MAX_ROWS * G], wf[K], out[MAX_ROWS], xsum[MAX_ROWS * G];
     static int8_t xq[MAX_ROWS * K];
     int ok = 1;
@@ -118,7 +118,8 @@ static int check_rb16(void) {
         ss_group_sums(x[m], K, xsum + m * G);
     }
     for (unsigned ti = 0; ti < sizeof(types) / sizeof(types[0]); ti++) {
-        const int t = types[ti];
+        const int t = types[ti], q2 = t == QT_R_Q2_K;
+        const int64_t ma = qt_rb16_mins_at(G);   // Q2_K's minimums, then its dmin
         const QTValues *kv = qt_kv(t);
         int nv = 16;
         while (nv > 1 && kv->v[nv - 1] == 0) nv--;   // the table's used entries
@@ -129,6 +130,12 @@ static int check_rb16(void) {
                 const uint16_t h = (uint16_t)(0x2800 + irand(0, 0x3FF) + (irand(0, 1) << 15));
                 memcpy(&w[r][18 * G + 2 * s], &h, 2);
             }
+            if (!q2) continue;
+            for (int i = 0; i < 2 * G; i++) w[r][ma + i] = (uint8_t)irand(0, 15);
+            for (int s = 0; s < S; s++) {
+                const uint16_t h = (uint16_t)(0x2400 + irand(0, 0x3FF) + (irand(0, 1) << 15));
+                memcpy(&w[r][ma + 2 * G + 2 * s], &h, 2);
+            }
         }
         for (int r = 0; r < 8; r++) {   // decoding: w = d dk sc v[c]
             qt_dequant_row(t, w[r], K, wf);
@@ -136,8 +143,13 @@ static int check_rb16(void) {
                 const int g = i / 32, j = i % 32, s = g / 8, c = (w[r][32 * (g / 2) + j] >> (4 * (g & 1))) & 15;
                 uint16_t h;
                 memcpy(&h, &w[r][18 * G + 2 * s], 2);
-                const float sc = ss_half_to_f32(h) * kv->dk * (float)(int8_t)w[r][16 * G + 16 * s + (j >= 16 ? 8 : 0) + g % 8];
-                const float want = sc * (float)kv->v[c];
+                const int at = 16 * s + (j >= 16 ? 8 : 0) + g % 8;
+                const float sc = ss_half_to_f32(h) * kv->dk * (float)(int8_t)w[r][16 * G + at];
+                float want = sc * (float)kv->v[c];
+                if (q2) {
+                    memcpy(&h, &w[r][ma + 2 * G + 2 * s], 2);
+                    want = want + -(ss_half_to_f32(h) * (float)(int8_t)w[r][ma + at]);
+                }
                 if (memcmp(&want, &wf[i], 4)) { printf("mismatch rb16 decode t%d row %d i%d: %g want %g\n", t, r, i, wf[i], want); ok = 0; }
             }
             double want[R] = {0}, wantq[R] = {0}, scale = 1e-3;
@@ -157,7 +169,7 @@ static int check_rb16(void) {
         for (int r = 0; r < 8; r++) p[r] = w[r];
         for (int nb = 1; nb <= MAX_ROWS; nb++) {
             __m256 o8[MAX_ROWS];
-#define R16(NB) qt_rb6_rows8(QT_R_IQ2_XS, kv, p, K, xq, xd, xh, NB, NULL, o8)
+#define R16(NB) if (q2) qt_rb6_rows8(QT_R_Q2_K, kv, p, K, xq, xd, xh, NB, NULL, o8); else qt_rb6_rows8(QT_R_IQ2_XS, kv, p, K, xq, xd, xh, NB, NULL, o8);
             SS_BY_ROWS(nb, R16)
 #undef R16
             for (int m = 0; m < nb; m++) {
@@ -166,14 +178,19 @@ static int check_rb16(void) {
                 for (int r = 0; r < 8; r++) {
                     float acc = 0.f;
                     for (int g = 0; g < G; g++) {
-                        int sum = 0;
+                        int sum = 0, msum = 0;
                         for (int j = 0; j < 32; j++) {
-                            const int c = (w[r][32 * (g / 2) + j] >> (4 * (g & 1))) & 15;
-                            sum += (int8_t)w[r][16 * G + 16 * (g / 8) + (j >= 16 ? 8 : 0) + g % 8] * kv->v[c] * xq[m * K + 32 * g + j];
+                            const int c = (w[r][32 * (g / 2) + j] >> (4 * (g & 1))) & 15, at = 16 * (g / 8) + (j >= 16 ? 8 : 0) + g % 8;
+                            sum += (int8_t)w[r][16 * G + at] * kv->v[c] * xq[m * K + 32 * g + j];
+                            if (q2) msum += (int8_t)w[r][ma + at] * xq[m * K + 32 * g + j];
                         }
                         uint16_t h;
                         memcpy(&h, &w[r][18 * G + 2 * (g / 8)], 2);
                         acc = fmaf((float)sum, ss_half_to_f32(h) * kv->dk * xd[m * G + g], acc);
+                        if (q2) {
+                            memcpy(&h, &w[r][ma + 2 * G + 2 * (g / 8)], 2);
+                            acc = fmaf((float)msum, -ss_half_to_f32(h) * xd[m * G + g], acc);
+                        }
                     }
                     if (got[r] != acc) {
                         printf("rb16 rows8 t%d nb %d row %d act %d: %.9g want %.9g\n", t, nb, r, m, got[r], acc);

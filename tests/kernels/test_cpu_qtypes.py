@@ -223,7 +223,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qt: QT, exact: boo
         assert not bad, f"{rows} rows: rows {bad} differ from alone"
 
 
-@pytest.mark.parametrize("qt", [QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M, QT.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [64, 576, 1536])
 def test_the_16_row_kernels_give_the_8_row_kernels_bits(qt: QT, k: int) -> None:
     """qtypes.h's qt_rbnl_rows16 and qt_rb16_rows16 (AVX-512 builds where 512-bit vpdpbusd is wide: twin_from_rows)

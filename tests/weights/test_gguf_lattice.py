@@ -178,7 +178,7 @@ def test_a_file_whose_re_encoding_would_not_fit_stays_in_place_with_one_warning(
 
 
 @pytest.mark.skipif(not native_available(), reason="native CPU kernels unavailable")
-@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ2_0, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M], ids=lambda t: t.name)
+@pytest.mark.parametrize("qt", [QT.IQ2_XXS, QT.TQ2_0, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
 def test_column_cuts_of_the_planes_stay_planes(qt):
     """Tensor parallelism cuts o and down by columns: a re-encoded weight is cut on its planes (it became dense
     fp32), with the values of the file's columns."""

@@ -35,6 +35,8 @@ enum {
     // (IQ2_XS, IQ2_S, IQ1_M: 2 l + 1; Q3_K: its 8 codes -4..3, sc - 32), re-encoded at load into the per-16 IQ
     // planes (4.56 bits a weight; qt_rb16 below, exact)
     QT_R_IQ2_XS = 117, QT_R_IQ2_S = 122, QT_R_IQ1_M = 129, QT_R_Q3_K = 111,
+    // and Q2_K (codes 0..3, sc & 15, minus dmin (sc >> 4)): the same planes plus per-16 minimums (5.13 bits)
+    QT_R_Q2_K = 110,
 };
 
 #define QT_MAX 256   // the largest block (the K-quants' super-block)
@@ -59,7 +61,7 @@ static inline int qt_block(int t) {
     case QT_R_Q5_K: case QT_R_Q6_K: case QT_R_IQ4_XS: return 256;
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 256;
     case QT_R_MXFP4: return 32;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: return 256;
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: case QT_R_Q2_K: return 256;
     case QT_Q2_K: case QT_Q3_K: case QT_Q4_K: case QT_Q5_K: case QT_Q6_K: case QT_IQ4_XS: return 256;
     case QT_IQ2_XXS: case QT_IQ2_XS: case QT_IQ2_S: case QT_IQ3_XXS: case QT_IQ3_S: case QT_IQ1_S: case QT_IQ1_M:
     case QT_TQ1_0: case QT_TQ2_0: return 256;
@@ -78,6 +80,7 @@ static inline int qt_bytes(int t) {
     case QT_R_IQ2_XXS: case QT_R_IQ3_XXS: case QT_R_IQ1_S: case QT_R_IQ3_S: case QT_R_TQ1_0: case QT_R_TQ2_0: return 136;
     case QT_R_MXFP4: return 18;
     case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: return 146;
+    case QT_R_Q2_K: return 164;
     case QT_Q2_K: return 84; case QT_Q3_K: return 110; case QT_Q4_K: return 144; case QT_Q5_K: return 176;
     case QT_Q6_K: return 210; case QT_IQ4_XS: return 136;
     case QT_IQ2_XXS: return 66; case QT_IQ2_XS: return 74; case QT_IQ2_S: return 82; case QT_IQ3_XXS: return 98;
@@ -88,7 +91,8 @@ static inline int qt_bytes(int t) {
 }
 
 static inline int qt_has_min(int t) {
-    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1 || t == QT_R_Q5_K;
+    return t == QT_Q4_1 || t == QT_Q5_1 || t == QT_Q2_K || t == QT_Q4_K || t == QT_Q5_K || t == QT_R_Q5_1 || t == QT_R_Q5_K ||
+           t == QT_R_Q2_K;
 }
 
 // the re-encoded types of IQ4_XS's layout (and MXFP4 of IQ4_NL's)
@@ -97,7 +101,9 @@ static inline int qt_rb_xs(int t) {
            t == QT_R_TQ1_0 || t == QT_R_TQ2_0;
 }
 // the re-encoded types of the per-16 IQ planes (qt_rb6_q8_row's and qt_rb6_rows8's, as Q6_K's)
-static inline int qt_rb16(int t) { return t == QT_R_IQ2_XS || t == QT_R_IQ2_S || t == QT_R_IQ1_M || t == QT_R_Q3_K; }
+static inline int qt_rb16(int t) {
+    return t == QT_R_IQ2_XS || t == QT_R_IQ2_S || t == QT_R_IQ1_M || t == QT_R_Q3_K || t == QT_R_Q2_K;
+}
 // the layout whose kernels multiply t's rows: IQ4_XS's or IQ4_NL's for the re-encoded types, else t itself
 static inline int qt_rb_layout(int t) { return qt_rb_xs(t) ? QT_R_IQ4_XS : t == QT_R_MXFP4 ? QT_R_IQ4_NL : t; }
 // rows the IQ4 kernels multiply (IQ4_NL's or IQ4_XS's layout, the re-encoded types included)
@@ -143,6 +149,7 @@ static const QTValues QT_VALUES_IQ3S = {{-15, -13, -11, -9, -7, -5, -3, -1, 1, 3
 static const QTValues QT_VALUES_IQ1 = {{-9, -7, -1, 1, 7, 9}, 0.125f};
 static const QTValues QT_VALUES_TERNARY = {{-1, 0, 1, 2}, 1.f};
 static const QTValues QT_VALUES_Q3 = {{-4, -3, -2, -1, 0, 1, 2, 3}, 1.f};   // Q3_K's codes
+static const QTValues QT_VALUES_Q2 = {{0, 1, 2, 3}, 1.f};                    // Q2_K's
 static const QTValues QT_VALUES_MXFP4 = {{0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12}, 1.f};
 static inline const QTValues *qt_kv(int t) {
     switch (t) {
@@ -153,6 +160,7 @@ static inline const QTValues *qt_kv(int t) {
     case QT_R_TQ1_0: case QT_R_TQ2_0: return &QT_VALUES_TERNARY;
     case QT_R_MXFP4: return &QT_VALUES_MXFP4;
     case QT_R_Q3_K: return &QT_VALUES_Q3;
+    case QT_R_Q2_K: return &QT_VALUES_Q2;
     default: return &QT_VALUES_IQ4;
     }
 }
@@ -702,8 +710,10 @@ AI void qt_rb_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, 
 // The per-16 IQ planes (qt_rb16: IQ2_XS, IQ2_S, IQ1_M re-encoded at load, quant_matvec.c's ss_reencode) are
 // the same without the top-two-bits plane: the codes plane (4-bit indices into the type's 16 values, qt_kv),
 // then the int8 sub-block scales (2 l + 1) at 16 G as Q6_K's are at 24 G, then the fp16 d at 18 G:
-// w = d dk sc v[c], 146 bytes per 256 weights.
+// w = d dk sc v[c], 146 bytes per 256 weights. Q2_K's (QT_R_Q2_K) then add its int8 sub-block minimums at 18 G + G / 4
+// (arranged as the scales) and its fp16 dmin at 20 G + G / 4: w = d sc v[c] - dmin mn, 164 bytes per 256.
 AI int qt_rb6_scales_at(int t, int G) { return (qt_rb16(t) ? 16 : 24) * G; }
+AI int64_t qt_rb16_mins_at(int G) { return 18 * (int64_t)G + G / 4; }
 AI void qt_rb6_unpack(const int t, const uint8_t *w, int K, int blk, const QTOut *o) {
     const int G = K / 32, iq = qt_rb16(t);
     const uint8_t *hi = w + 16 * G, *scb = w + qt_rb6_scales_at(t, G) + 16 * blk;
@@ -712,6 +722,11 @@ AI void qt_rb6_unpack(const int t, const uint8_t *w, int K, int blk, const QTOut
         o->sc[2 * i] = d * (float)(int8_t)scb[i];
         o->sc[2 * i + 1] = d * (float)(int8_t)scb[8 + i];
         o->mn[2 * i] = o->mn[2 * i + 1] = 0.f;
+    }
+    if (t == QT_R_Q2_K) {
+        const uint8_t *mb = w + qt_rb16_mins_at(G) + 16 * blk;
+        const float dmin = qt_f16(w + qt_rb16_mins_at(G) + 2 * G + 2 * blk);
+        for (int i = 0; i < 8; i++) o->mn[2 * i] = -(dmin * (float)(int8_t)mb[i]), o->mn[2 * i + 1] = -(dmin * (float)(int8_t)mb[8 + i]);
     }
 #if defined(SS_AVX2)
     if (iq) {
@@ -787,15 +802,18 @@ static inline void qt_rb6_pack_row(const uint8_t *src, int K, uint8_t *dst) {
 // two planes: |v| <= 64 (ss_reencode's rule), so a madd's int16 pairs stay exact.
 AI void qt_rb6_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, const int8_t *xq, const float *xd,
                       int nb, float *out) {
-    const int G = K / 32, iq = qt_rb16(t);
+    const int G = K / 32, iq = qt_rb16(t), mins = t == QT_R_Q2_K;
     const uint8_t *hi = w + 16 * G, *scb = w + qt_rb6_scales_at(t, G), *dh = scb + 2 * G;
-    __m128 acc[MAX_ROWS];
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+    const uint8_t *mnb = w + qt_rb16_mins_at(G), *dmh = mnb + 2 * G;   // Q2_K's minimums
+    __m128 acc[MAX_ROWS], accm[MAX_ROWS];
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = accm[b] = _mm_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32), ones = _mm256_set1_epi8(1);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)kvt->v));
     for (int sb = 0; sb < K / 256; sb++) {
         const __m128 dv = _mm_set1_ps(qt_f16(dh + 2 * sb) * kvt->dk);
         const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(scb + 16 * sb)));
+        const __m128 ndm = mins ? _mm_set1_ps(-qt_f16(dmh + 2 * sb)) : dv;
+        const __m256i m16 = mins ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(mnb + 16 * sb))) : s16;
         for (int qd = 0; qd < 2; qd++) {
             const int g = 8 * sb + 4 * qd;
             __m256i ws[4];
@@ -812,25 +830,29 @@ AI void qt_rb6_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K,
                 ws[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
                 for (int j = 0; j < 4; j++) ws[j] = _mm256_sub_epi8(ws[j], k32);
             }
-            __m256i wa[4], sp[4];
+            __m256i wa[4], sp[4], mp[4];
             for (int j = 0; j < 4; j++) {
                 wa[j] = _mm256_sign_epi8(ws[j], ws[j]);
                 const int gi = 4 * qd + j;
-                sp[j] = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((2 * gi) | ((2 * gi + 1) << 8))));
+                const __m256i ctl = _mm256_set1_epi16((short)((2 * gi) | ((2 * gi + 1) << 8)));
+                sp[j] = _mm256_shuffle_epi8(s16, ctl);
+                if (mins) mp[j] = _mm256_shuffle_epi8(m16, ctl);
             }
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const int8_t *a = xq + (int64_t)b * K + g * 32;
-                __m256i p[4];
+                __m256i p[4], pm[4];
                 for (int j = 0; j < 4; j++) {
-                    const __m256i av = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(a + 32 * j)), ws[j]);
-                    p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], av), sp[j]);
+                    const __m256i ar = _mm256_loadu_si256((const __m256i *)(a + 32 * j));
+                    p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(ar, ws[j])), sp[j]);
+                    if (mins) pm[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, ar), mp[j]);   // mn x the per-16 sums
                 }
-                const __m128 f = _mm_mul_ps(dv, _mm_loadu_ps(xd + (int64_t)b * G + g));
-                acc[b] = _mm_fmadd_ps(f, _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
+                const __m128 xd4 = _mm_loadu_ps(xd + (int64_t)b * G + g);
+                acc[b] = _mm_fmadd_ps(_mm_mul_ps(dv, xd4), _mm_cvtepi32_ps(ss_sum4(p)), acc[b]);
+                if (mins) accm[b] = _mm_fmadd_ps(_mm_mul_ps(ndm, xd4), _mm_cvtepi32_ps(ss_sum4(pm)), accm[b]);
             }
         }
     }
-    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]);
+    SS_UNROLL_ROWS for (int b = 0; b < nb; b++) out[b] = hsum128(acc[b]) + (mins ? hsum128(accm[b]) : 0.f);
 }
 
 // Q6_K over 8 weight rows at once, as simd.h's q4i_rows8 does q4: per group the 8 rows' code bytes are
@@ -852,7 +874,7 @@ AI void qt_rb6_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K,
 // the type's power of two dk.
 AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8], int K, const int8_t *xq,
                      const float *xd, const int16_t *xh, int nb, const char *pf, __m256 out[MAX_ROWS]) {
-    const int G = K / 32, iq = qt_rb16(t), off_shift = iq ? 6 : 5, row_pf = iq ? 146 : 210;
+    const int G = K / 32, iq = qt_rb16(t), mins = t == QT_R_Q2_K, off_shift = iq ? 6 : 5, row_pf = qt_bytes(t);
     const int64_t scb = qt_rb6_scales_at(t, G);
     __m256 acc[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm256_setzero_ps();
@@ -872,6 +894,14 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
         const __m256 d8k = iq ? _mm256_mul_ps(d8, _mm256_set1_ps(kvt->dk)) : d8;
         __m256i T[4];   // the sub-block scales: T[k] bytes i = group 4k + i's first (k < 2) or second (k >= 2) scale
         rows8_t16(w, scb + 16 * sb, T);
+        __m256i Tm[4];   // Q2_K: its minimums as T, and -dmin, lanes = rows
+        __m256 ndm8 = d8k;
+        if (mins) {
+            rows8_t16(w, qt_rb16_mins_at(G) + 16 * sb, Tm);
+            float nd[8];
+            for (int r = 0; r < 8; r++) nd[r] = -qt_f16(w[r] + qt_rb16_mins_at(G) + 2 * (int64_t)G + 2 * sb);
+            ndm8 = _mm256_loadu_ps(nd);
+        }
         for (int h4 = 0; h4 < 2; h4++) {
             const int g0 = 8 * sb + 4 * h4;
             if (iq) {   // decode four groups: the nibble plane's two pairs, looked up
@@ -912,6 +942,9 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
 #ifdef SS_VNNI
                 const __m256i sa32 = _mm256_srai_epi32(ra, 24), sb32 = _mm256_srai_epi32(rb, 24);   // as int32 lanes
 #endif
+                const __m256i mab = mins ? _mm256_srai_epi16(_mm256_blend_epi16(_mm256_shuffle_epi8(Tm[h4], ctl),
+                                                                                 _mm256_shuffle_epi8(Tm[2 + h4], ctl), 0xAA), 8)
+                                         : sab;
                 const __m256i *q = (const __m256i *)codes[i];
                 SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                     __m256i x[8];
@@ -944,6 +977,9 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
                     const __m256i off = _mm256_sll_epi32(_mm256_madd_epi16(sab, _mm256_set1_epi32(hv)), _mm_cvtsi32_si128(off_shift));
                     const __m256 f = _mm256_mul_ps(d8k, _mm256_broadcast_ss(xd + (int64_t)b * G + g));
                     acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(s, off)), f, acc[b]);
+                    if (mins)   // - dmin x (the minimums x the per-16 code sums), exact in int32
+                        acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mab, _mm256_set1_epi32(hv))),
+                                                 _mm256_mul_ps(ndm8, _mm256_broadcast_ss(xd + (int64_t)b * G + g)), acc[b]);
                 }
             }
         }
@@ -958,9 +994,9 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
 // unsigned codes taken off each sub-block's sum before its scale instead of after: the same integer), and the fp32
 // operations are its own, so the bits are the same. w[16] rows (a row past the range's end may repeat the last);
 // pf: the next block of 16 rows, pf_group bytes of it per group.
-AI void qt_rb16_rows16(const QTValues *kvt, const uint8_t *const w[16], int K, const int8_t *xq, const float *xd,
-                       const int16_t *xh, int nb, const char *pf, int64_t pf_group, __m512 out[MAX_ROWS]) {
-    const int G = K / 32;
+AI void qt_rb16_rows16(const int t, const QTValues *kvt, const uint8_t *const w[16], int K, const int8_t *xq,
+                       const float *xd, const int16_t *xh, int nb, const char *pf, int64_t pf_group, __m512 out[MAX_ROWS]) {
+    const int G = K / 32, mins = t == QT_R_Q2_K;
     const int64_t scb = 16 * (int64_t)G;
     __m512 acc[MAX_ROWS];
     SS_UNROLL_ROWS for (int b = 0; b < nb; b++) acc[b] = _mm512_setzero_ps();
@@ -970,11 +1006,19 @@ AI void qt_rb16_rows16(const QTValues *kvt, const uint8_t *const w[16], int K, c
         uint16_t dh[16];
         for (int r = 0; r < 16; r++) memcpy(&dh[r], w[r] + scb + 2 * (int64_t)G + 2 * sb, 2);
         const __m512 dk = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)), _mm512_set1_ps(kvt->dk));
-        __m512i T[4];   // as qt_rb6_rows8's T, rows 0-7 and 8-15 joined: T[k] byte 4 r + i = row r's scale of group 4 (k & 1) + i
-        {
+        __m512i T[4], Tm[4];   // as qt_rb6_rows8's T (and Q2_K's Tm), rows 0-7 and 8-15 joined: T[k] byte 4 r + i = row
+                               // r's scale of group 4 (k & 1) + i
+        __m512 ndm = dk;
+        for (int pl = 0; pl < 1 + mins; pl++) {
+            const int64_t at = (pl ? qt_rb16_mins_at(G) : scb) + 16 * sb;
             __m256i lo[4], hi[4];
-            rows8_t16(w, scb + 16 * sb, lo), rows8_t16(w + 8, scb + 16 * sb, hi);
-            for (int k = 0; k < 4; k++) T[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[k]), hi[k], 1);
+            rows8_t16(w, at, lo), rows8_t16(w + 8, at, hi);
+            for (int k = 0; k < 4; k++) (pl ? Tm : T)[k] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[k]), hi[k], 1);
+        }
+        if (mins) {
+            uint16_t mh[16];
+            for (int r = 0; r < 16; r++) memcpy(&mh[r], w[r] + qt_rb16_mins_at(G) + 2 * (int64_t)G + 2 * sb, 2);
+            ndm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mh)));
         }
         for (int gp = 0; gp < 8; gp += 2) {
             __m512i L[8];   // the pair's code bytes, lanes = rows
@@ -994,6 +1038,11 @@ AI void qt_rb16_rows16(const QTValues *kvt, const uint8_t *const w[16], int K, c
                 // group i's two sub-block scales, sign-extended to int32 lanes
                 const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(T[i >> 2], 24 - 8 * (i & 3)), 24);
                 const __m512i sbv = _mm512_srai_epi32(_mm512_slli_epi32(T[2 + (i >> 2)], 24 - 8 * (i & 3)), 24);
+                // Q2_K: the two minimums as int16 pairs (0..15: no sign to extend), for one madd per row
+                const __m512i mab = mins ? _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(Tm[i >> 2], 8 * (i & 3)), _mm512_set1_epi32(255)),
+                                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(Tm[2 + (i >> 2)], 8 * (i & 3)),
+                                                                                              _mm512_set1_epi32(255)), 16))
+                                         : sa;
                 SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                     const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
                     __m512i x[8];
@@ -1009,6 +1058,12 @@ AI void qt_rb16_rows16(const QTValues *kvt, const uint8_t *const w[16], int K, c
                     const __m512i s = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(e0, _mm512_set1_epi32(64 * h[0])), sa),
                                                        _mm512_mullo_epi32(_mm512_sub_epi32(e1, _mm512_set1_epi32(64 * h[1])), sbv));
                     acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dk, _mm512_set1_ps(xd[(int64_t)b * G + g])), acc[b]);
+                    if (mins) {   // qt_rb6_rows8's minimum term, the same integer
+                        int32_t hv;
+                        memcpy(&hv, h, 4);
+                        const __m512i mm = _mm512_madd_epi16(mab, _mm512_set1_epi32(hv));
+                        acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mm), _mm512_mul_ps(ndm, _mm512_set1_ps(xd[(int64_t)b * G + g])), acc[b]);
+                    }
                 }
             }
         }
@@ -1459,7 +1514,7 @@ AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, cons
     X(QT_Q4_K) X(QT_Q5_K) X(QT_Q6_K) X(QT_IQ4_NL) X(QT_IQ4_XS) X(QT_R_Q5_0) X(QT_R_Q5_1) X(QT_R_IQ4_NL) X(QT_R_IQ4_XS) \
     X(QT_R_Q5_K) X(QT_R_Q6_K) X(QT_IQ2_XXS) X(QT_IQ2_XS) X(QT_IQ2_S) X(QT_IQ3_XXS) X(QT_IQ3_S) X(QT_IQ1_S) X(QT_IQ1_M) \
     X(QT_TQ1_0) X(QT_TQ2_0) X(QT_MXFP4) X(QT_R_IQ2_XXS) X(QT_R_IQ3_XXS) X(QT_R_IQ1_S) X(QT_R_IQ3_S) X(QT_R_TQ1_0) \
-    X(QT_R_TQ2_0) X(QT_R_MXFP4) X(QT_R_IQ2_XS) X(QT_R_IQ2_S) X(QT_R_IQ1_M) X(QT_R_Q3_K)
+    X(QT_R_TQ2_0) X(QT_R_MXFP4) X(QT_R_IQ2_XS) X(QT_R_IQ2_S) X(QT_R_IQ1_M) X(QT_R_Q3_K) X(QT_R_Q2_K)
 
 static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs, int nb,
                       float *out) {
@@ -1478,6 +1533,7 @@ static void qt_q8_row(int t, const uint8_t *w, int K, const int8_t *xq, const fl
     // the per-16 IQ planes on Q6_K's kernels, with their own values
     case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K:
         { enum { T_ = QT_R_IQ2_XS }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
+    case QT_R_Q2_K: { enum { T_ = QT_R_Q2_K }; SS_BY_ROWS(nb, QT_RB6_ROWS) } return;
 #undef QT_RB6_ROWS
 #undef QT_RB_CASE
 #undef QT_RB_ROWS

@@ -145,10 +145,18 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
 // 256, of 64 for MXFP4); dst: n rows of K / 256 x 136 bytes (MXFP4: K / 32 x 18). Returns 1 when done.
 // The types whose scale is per 16 weights, d dk (2 l + 1) (IQ2_XS, IQ2_S: dk = 1/8; IQ1_M: 1/8, the values 8 g +- 1;
 // Q3_K: d (sc - 32), dk = 1, the codes -4..3), go into the per-16 IQ planes instead (qtypes.h's qt_rb16: codes, int8
-// scales, the file's fp16 d; 146 bytes per 256).
+// scales, the file's fp16 d; 146 bytes per 256); Q2_K (d (sc & 15) c - dmin (sc >> 4), the codes 0..3) with its
+// minimums and dmin too (164 bytes per 256).
+AI int int_of(float v, float unit, int *out) {   // v = unit x an integer of int8's range, exactly
+    const float m = unit != 0.f ? v / unit : 0.f;
+    if (!(m == m && fabsf(m) < 128.f) || (float)(int)m != m) return 0;   // not NaN (an inf or NaN unit), in range
+    *out = (int)m;
+    return 1;
+}
 static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of, const uint8_t *row, int K, uint8_t *o) {
-    const int G = K / 32, BB = qt_bytes(qtype);
-    memset(o, 0, (size_t)K / 256 * 146);
+    const int G = K / 32, BB = qt_bytes(qtype), q2 = qtype == QT_Q2_K;
+    const int64_t mins_at = qt_rb16_mins_at(G);
+    memset(o, 0, (size_t)K / 256 * (size_t)qt_bytes(100 + qtype));
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *p = row + (int64_t)b * BB;
         QTBlock u;
@@ -160,15 +168,19 @@ static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of
             memcpy(s4, p + 48, 8);
             h = (uint16_t)((s4[0] >> 12) | ((s4[1] >> 8) & 0xf0) | ((s4[2] >> 4) & 0xf00) | (s4[3] & 0xf000));
         } else {
-            memcpy(&h, p + (qtype == QT_Q3_K ? 108 : 0), 2);
+            memcpy(&h, p + (qtype == QT_Q3_K ? 108 : q2 ? 80 : 0), 2);
         }
         const float dx = qt_f16((const uint8_t *)&h) * vals->dk;   // exact: a power of two
         memcpy(o + 18 * G + 2 * b, &h, 2);
+        const float dmin = q2 ? qt_f16(p + 82) : 0.f;
+        if (q2) memcpy(o + mins_at + 2 * G + 2 * b, p + 82, 2);
         for (int s = 0; s < 16; s++) {   // sub-block s: group 8 b + s / 2, its first (s even) or second half
-            const float m = dx != 0.f ? u.sc[s] / dx : 0.f;
-            if (!(m == m && fabsf(m) < 128.f)) return 0;   // not NaN (an inf or NaN d), in range before the cast
-            if ((float)(int)m != m || dx * (float)(int)m != u.sc[s]) return 0;
-            o[16 * G + 16 * b + (s & 1) * 8 + s / 2] = (uint8_t)(int8_t)(int)m;
+            int m, mn = 0;
+            if (!int_of(u.sc[s], dx, &m) || dx * (float)m != u.sc[s]) return 0;
+            if (q2 && (!int_of(-u.mn[s], dmin, &mn) || memcmp(&(float){-(dmin * (float)mn)}, &u.mn[s], 4))) return 0;
+            const int at = 16 * b + (s & 1) * 8 + s / 2;
+            o[16 * G + at] = (uint8_t)(int8_t)m;
+            if (q2) o[mins_at + at] = (uint8_t)(int8_t)mn;
             const int g = 8 * b + s / 2;
             for (int l = 0; l < 16; l++) {
                 const int c = code_of[(uint8_t)u.q[16 * s + l]];
@@ -183,7 +195,8 @@ static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of
 int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     const int nl = qtype == QT_MXFP4, rt = 100 + qtype, per16 = qt_rb16(rt);
     if ((!qt_rb_xs(rt) || rt == QT_R_IQ4_XS) && rt != QT_R_MXFP4 && !per16) return 0;   // only the types above
-    if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && qtype != QT_Q3_K && !qt_grids.ready) return 0;
+    if (qtype != QT_MXFP4 && qtype != QT_TQ1_0 && qtype != QT_TQ2_0 && qtype != QT_Q3_K && qtype != QT_Q2_K && !qt_grids.ready)
+        return 0;
     const int64_t in_row = (int64_t)K / qt_block(qtype) * qt_bytes(qtype), out_row = (int64_t)K / qt_block(rt) * qt_bytes(rt);
     const int d_at = qtype == QT_TQ1_0 ? 52 : qtype == QT_TQ2_0 ? 64 : 0;
     const QTValues *vals = qt_kv(rt);

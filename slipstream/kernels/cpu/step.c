@@ -458,7 +458,8 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
             for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
             const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
             __m512 out[MAX_ROWS];
-#define R16(NB) qt_rb16_rows16(kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
+#define R16(NB) if (m->qtype == QT_R_Q2_K) qt_rb16_rows16(QT_R_Q2_K, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out); \
+                else qt_rb16_rows16(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
             SS_BY_ROWS(nb, R16)
 #undef R16
             __m256 lo[MAX_ROWS], hi[MAX_ROWS];
@@ -474,7 +475,8 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
         const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
         __m256 out[MAX_ROWS];
-#define Q6I(NB) if (iq) qt_rb6_rows8(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
+#define Q6I(NB) if (m->qtype == QT_R_Q2_K) qt_rb6_rows8(QT_R_Q2_K, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
+                else if (iq) qt_rb6_rows8(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
                 else qt_rb6_rows8(QT_R_Q6_K, kvt, w, K, x->q, x->d, xh, NB, pf, out);
         SS_BY_ROWS(nb, Q6I)
 #undef Q6I
@@ -554,6 +556,7 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
 #define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, kvt, w, K, xq, xd, xs, NB, out))
 #define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_Q6_K, kvt, w, K, xq, xd, NB, out))
 #define QTR16_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_IQ2_XS, kvt, w, K, xq, xd, NB, out))
+#define QTR2_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_Q2_K, kvt, w, K, xq, xd, NB, out))
 #define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
     const int layout = qt_rb_layout(m->qtype);
     const QTValues *kvt = qt_kv(m->qtype);
@@ -570,17 +573,18 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
         }
         SS_BY_ROWS(nb, QTR6_LOOP)
         return 1;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K:
+    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: case QT_R_Q2_K:
         if (rows8_on(m)) {
             q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
             return 1;
         }
-        SS_BY_ROWS(nb, QTR16_LOOP)
+        if (m->qtype == QT_R_Q2_K) { SS_BY_ROWS(nb, QTR2_LOOP) } else { SS_BY_ROWS(nb, QTR16_LOOP) }
         return 1;
     default: return 0;
     }
 #undef QTR_CASE
 #undef QTR16_LOOP
+#undef QTR2_LOOP
 #undef QTR6_LOOP
 #undef QTR_LOOP
 #undef QTR_NEST
