@@ -435,11 +435,12 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 }
 
 #if defined(SS_AVX2)
-// Rows [n0, n1) of a re-blocked Q6_K matrix, or of the per-16 IQ planes (qt_rb16), on the fast path, 8 weight rows
-// at a time (qtypes.h qt_rb6_rows8)
-__attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
-                                              int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k, iq = qt_rb16(m->qtype);
+// Rows [n0, n1) of a re-blocked Q6_K matrix (t: QT_R_Q6_K), or of the per-16 IQ planes (t: QT_R_IQ2_XS for those
+// without minimums, QT_R_Q2_K), on the fast path, 8 weight rows at a time (qtypes.h qt_rb6_rows8); one function per
+// t below (a shared one made the Q6_K kernel's batch-8 rate 0.67-0.85x, kernel_rate.py)
+AI void rb6_rows_t(const int t, const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y, int ystride,
+                   int accumulate, int pf_rows, int64_t row_bytes) {
+    const int K = m->k, iq = qt_rb16(t);
     const QTValues *kvt = qt_kv(m->qtype);
     const int16_t *xh = x->h;
     if (!xh) {   // a decode task's rows: summed here, once for the task's weight rows
@@ -458,8 +459,7 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
             for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
             const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
             __m512 out[MAX_ROWS];
-#define R16(NB) if (m->qtype == QT_R_Q2_K) qt_rb16_rows16(QT_R_Q2_K, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out); \
-                else qt_rb16_rows16(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
+#define R16(NB) qt_rb16_rows16(t, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
             SS_BY_ROWS(nb, R16)
 #undef R16
             __m256 lo[MAX_ROWS], hi[MAX_ROWS];
@@ -475,14 +475,21 @@ __attribute__((noinline)) static void q6i_rows(const SSMat *m, int n0, int n1, i
         for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
         const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
         __m256 out[MAX_ROWS];
-#define Q6I(NB) if (m->qtype == QT_R_Q2_K) qt_rb6_rows8(QT_R_Q2_K, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
-                else if (iq) qt_rb6_rows8(QT_R_IQ2_XS, kvt, w, K, x->q, x->d, xh, NB, pf, out); \
-                else qt_rb6_rows8(QT_R_Q6_K, kvt, w, K, x->q, x->d, xh, NB, pf, out);
+#define Q6I(NB) qt_rb6_rows8(t, kvt, w, K, x->q, x->d, xh, NB, pf, out);
         SS_BY_ROWS(nb, Q6I)
 #undef Q6I
         rows8_store(m, out, nb, n, live, y, ystride, accumulate);
     }
 }
+#define RB6_ROWS(NAME, T)                                                                                            \
+    __attribute__((noinline)) static void NAME(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,     \
+                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {        \
+        rb6_rows_t(T, m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);                                 \
+    }
+RB6_ROWS(q6i_rows, QT_R_Q6_K)
+RB6_ROWS(q16i_rows, QT_R_IQ2_XS)
+RB6_ROWS(q2i_rows, QT_R_Q2_K)
+#undef RB6_ROWS
 
 // Rows [n0, n1) of a re-blocked Q5_0, Q5_1, Q5_K, IQ4_NL or IQ4_XS matrix on the fast path, 8 weight rows at a time
 // (qt_rb5_rows8, qt_rbnl_rows8)
@@ -575,7 +582,8 @@ __attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int
         return 1;
     case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: case QT_R_Q2_K:
         if (rows8_on(m)) {
-            q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
+            if (m->qtype == QT_R_Q2_K) q2i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
+            else q16i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
             return 1;
         }
         if (m->qtype == QT_R_Q2_K) { SS_BY_ROWS(nb, QTR2_LOOP) } else { SS_BY_ROWS(nb, QTR16_LOOP) }
