@@ -56,7 +56,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rows8", type=int, default=None,
-                    help="ss_set_rows8 mask (bit 0 q4, 1 q8, 2 Q6_K, 3 Q5_K, 4 Q5_0/Q5_1): which types take the 8-row kernels")
+                    help="ss_set_rows8 mask (bit 0 q4, 1 q8, 2 Q6_K and the per-16 planes, 3 Q5_K, 4 Q5_0/Q5_1, "
+                         "5 the IQ4 layouts): which types take the 8-row kernels")
     args = ap.parse_args()
 
     from slipstream.kernels.cpu import load_library
