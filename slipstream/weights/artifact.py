@@ -30,8 +30,8 @@ ARTIFACT_FILE = "slipstream-artifact.json"
 # format 1 cannot run: it then asks to compile again instead of failing inside the runtime
 # 3: a matrix may be one of the lattice/ternary/MXFP4 types re-encoded into the IQ4 planes (weights/quant.py
 # REENCODE: format ids 116-139), which a Slipstream reading format 2 does not know
-# 4: a matrix may be one of the per-16 lattice types (IQ2_XS, IQ2_S, IQ1_M) re-encoded into the per-16 IQ planes
-# (format ids 117, 122, 129), which a Slipstream reading format 3 does not know
+# 4: a matrix may be one of the per-16 types (IQ2_XS, IQ2_S, IQ1_M, Q3_K, Q2_K) re-encoded into the per-16 IQ planes
+# (format ids 117, 122, 129, 111, 110), which a Slipstream reading format 3 does not know
 FORMAT = 4
 READS = (1, 2, 3, 4)   # format 1 artifacts load as they are (a Q4_K matrix's planes and 6-bit scales, or planes only)
 LAYER_LINEARS = LlamaLayer.LINEARS

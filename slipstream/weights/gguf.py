@@ -255,10 +255,10 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any], GGU
 
 
 def _reencoding_fits(reader: GGUFFile, path: str) -> bool:
-    """Whether the file's REENCODE-type matrices (the lattice and ternary types, MXFP4), re-encoded into the IQ4
-    kernels' planes (4.25 bits a weight, 4.5 for MXFP4, 4.56 for the per-16 planes), fit in half the memory
-    available; if not, they stay the file's blocks, with one warning (decode is then slower: the products decode
-    those blocks)."""
+    """Whether the file's REENCODE-type matrices (the lattice and ternary types, MXFP4, Q3_K, Q2_K), re-encoded into
+    the fast kernels' planes (4.25 bits a weight, 4.5 for MXFP4, 4.56 for the per-16 planes, 5.12 for Q2_K's), fit
+    in half the memory available; if not, they stay the file's blocks, with one warning (decode is then slower: the
+    products decode those blocks)."""
     if iq_in_place_asked():
         return True   # asked for: the loader keeps the blocks anyway, without a word
     need: dict[str, int] = {}

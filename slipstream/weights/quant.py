@@ -61,7 +61,7 @@ REBLOCK = {6: 106, 7: 107, 13: 113, 14: 114, 20: 120, 23: 123}
 # product (docs/BENCHMARKS.md). SLIPSTREAM_IQ_IN_PLACE=1, or too little free memory, keeps the file's blocks.
 # The types whose scale is per 16 weights (IQ2_XS, IQ2_S, IQ1_M, and Q3_K: 8 codes x d (sc - 32)) go into the per-16
 # IQ planes (4.56 bits a weight; qtypes.h qt_rb16), which Q6_K's kernels multiply, 5-8x faster than decoding the
-# file's blocks (Q3_K: 3.44 bits a weight in the file). Q2_K's planes add its per-16 minimums (5.13 bits, against 2.63).
+# file's blocks (Q3_K: 3.44 bits a weight in the file). Q2_K's planes add its per-16 minimums (5.12 bits, against 2.63).
 REENCODE = {16: 116, 18: 118, 19: 119, 21: 121, 34: 134, 35: 135, 39: 139, 17: 117, 22: 122, 29: 129, 11: 111, 10: 110}
 PER16_REENCODE = {17, 22, 29, 11, 10}   # the ggml types of REENCODE whose planes keep a scale per 16 weights
 REBLOCKED = {v: k for k, v in {**REBLOCK, **REENCODE}.items()}   # our id -> the ggml type it came from

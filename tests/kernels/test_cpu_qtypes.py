@@ -50,6 +50,19 @@ def test_decoding_is_bit_exact(qt: QT) -> None:
         assert np.array_equal(bits(out), bits(ref[3]))
 
 
+@pytest.mark.parametrize("d", [0x0000, 0x8000], ids=["+0", "-0"])
+def test_a_zero_scale_keeps_its_zeros_signs(d: int) -> None:
+    """A Q3_K block with d = +-0: its weights are zeros whose sign is d's times its (possibly negative) sc - 32's,
+    and the per-16 planes keep those signs too (a reviewer found +0 for -0 there)."""
+    n, k = 3, 512
+    blocks = random_blocks(QT.Q3_K, n, k, seed=4)
+    blocks.reshape(n, -1, 110)[:, 1, 108:110] = np.array([d], np.uint16).view(np.uint8)
+    w = as_linear(QT.Q3_K, blocks, n, k)
+    assert w.reblocked
+    ref = gguf.quants.dequantize(blocks, QT.Q3_K).reshape(n, k)
+    assert np.array_equal(bits(w.dequantize().numpy()), bits(ref))
+
+
 @pytest.mark.parametrize("qt", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.F16, QT.BF16],
                          ids=lambda t: t.name)
 def test_gguf_quantizer_output_decodes_exactly(qt: QT) -> None:

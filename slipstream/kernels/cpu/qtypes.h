@@ -35,7 +35,7 @@ enum {
     // (IQ2_XS, IQ2_S, IQ1_M: 2 l + 1; Q3_K: its 8 codes -4..3, sc - 32), re-encoded at load into the per-16 IQ
     // planes (4.56 bits a weight; qt_rb16 below, exact)
     QT_R_IQ2_XS = 117, QT_R_IQ2_S = 122, QT_R_IQ1_M = 129, QT_R_Q3_K = 111,
-    // and Q2_K (codes 0..3, sc & 15, minus dmin (sc >> 4)): the same planes plus per-16 minimums (5.13 bits)
+    // and Q2_K (codes 0..3, sc & 15, minus dmin (sc >> 4)): the same planes plus per-16 minimums (5.12 bits)
     QT_R_Q2_K = 110,
 };
 
@@ -707,9 +707,10 @@ AI void qt_rb_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, 
 // per super-block the 16 int8 sub-block scales, each group's first sub-block's in bytes 0-7 and its
 // second's in bytes 8-15 (so one byte shuffle spreads a group's two scales over its products), then the
 // fp16 super-block scales. Codes are 6-bit unsigned: w = d sc (c - 32).
-// The per-16 IQ planes (qt_rb16: IQ2_XS, IQ2_S, IQ1_M re-encoded at load, quant_matvec.c's ss_reencode) are
-// the same without the top-two-bits plane: the codes plane (4-bit indices into the type's 16 values, qt_kv),
-// then the int8 sub-block scales (2 l + 1) at 16 G as Q6_K's are at 24 G, then the fp16 d at 18 G:
+// The per-16 IQ planes (qt_rb16: IQ2_XS, IQ2_S, IQ1_M, Q3_K, Q2_K re-encoded at load, quant_matvec.c's ss_reencode)
+// are the same without the top-two-bits plane: the codes plane (4-bit indices into the type's 16 values, qt_kv),
+// then the int8 sub-block scales (2 l + 1; Q3_K's sc - 32, Q2_K's sc & 15) at 16 G as Q6_K's are at 24 G, then the
+// fp16 d at 18 G:
 // w = d dk sc v[c], 146 bytes per 256 weights. Q2_K's (QT_R_Q2_K) then add its int8 sub-block minimums at 18 G + G / 4
 // (arranged as the scales) and its fp16 dmin at 20 G + G / 4: w = d sc v[c] - dmin mn, 164 bytes per 256.
 AI int qt_rb6_scales_at(int t, int G) { return (qt_rb16(t) ? 16 : 24) * G; }
@@ -799,7 +800,7 @@ static inline void qt_rb6_pack_row(const uint8_t *src, int K, uint8_t *dst) {
 // on this used to accumulate lane-wise and from 3 to take the decoded-block path (batch 1 and batch 2 rows
 // then differed, and the K-quant file's batch-8 step was 1.28x slower: docs/BENCHMARKS.md).
 // The per-16 IQ planes (t: qt_rb16) the same way, their codes looked up (one byte shuffle) instead of built from
-// two planes: |v| <= 64 (ss_reencode's rule), so a madd's int16 pairs stay exact.
+// two planes: every qt_kv table's |v| <= 64 (fixed constants: IQ2's 43 the largest), so a madd's int16 pairs stay exact.
 AI void qt_rb6_q8_row(const int t, const QTValues *kvt, const uint8_t *w, int K, const int8_t *xq, const float *xd,
                       int nb, float *out) {
     const int G = K / 32, iq = qt_rb16(t), mins = t == QT_R_Q2_K;
@@ -1429,7 +1430,7 @@ AI void qt_unpack_row32(const int t, const uint8_t *w, int K, int8_t *q, float *
 
 AI void qt_q8_row_t(const int t, const uint8_t *w, int K, const int8_t *xq, const float *xd, const float *xs,
                     int nb, float *out) {
-    const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K;
+    const int QK = qt_block(t), BB = qt_bytes(t), G = K / 32, mins = qt_has_min(t), min16 = t == QT_Q2_K || t == QT_R_Q2_K;
 #if defined(SS_AVX2)
     if (qt_rb(t)) {
         qt_rb_q8_row(qt_rb_layout(t), qt_kv(t), w, K, xq, xd, xs, nb, out);

@@ -146,7 +146,7 @@ void ss_reblock(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
 // The types whose scale is per 16 weights, d dk (2 l + 1) (IQ2_XS, IQ2_S: dk = 1/8; IQ1_M: 1/8, the values 8 g +- 1;
 // Q3_K: d (sc - 32), dk = 1, the codes -4..3), go into the per-16 IQ planes instead (qtypes.h's qt_rb16: codes, int8
 // scales, the file's fp16 d; 146 bytes per 256); Q2_K (d (sc & 15) c - dmin (sc >> 4), the codes 0..3) with its
-// minimums and dmin too (164 bytes per 256).
+// minimums and dmin too (164 bytes per 256). The tables' values are all within +-64 (the kernels' bound; qtypes.h).
 AI int int_of(float v, float unit, int *out) {   // v = unit x an integer of int8's range, exactly
     const float m = unit != 0.f ? v / unit : 0.f;
     if (!(m == m && fabsf(m) < 128.f) || (float)(int)m != m) return 0;   // not NaN (an inf or NaN unit), in range
@@ -176,7 +176,9 @@ static int reencode16_row(int qtype, const QTValues *vals, const int8_t *code_of
         if (q2) memcpy(o + mins_at + 2 * G + 2 * b, p + 82, 2);
         for (int s = 0; s < 16; s++) {   // sub-block s: group 8 b + s / 2, its first (s even) or second half
             int m, mn = 0;
-            if (!int_of(u.sc[s], dx, &m) || dx * (float)m != u.sc[s]) return 0;
+            if (!int_of(u.sc[s], dx, &m)) return 0;
+            if (dx == 0.f && memcmp(&(float){dx * (float)m}, &u.sc[s], 4)) m = -1;   // d = +-0: the zero's sign (Q3_K's sc - 32 < 0)
+            if (memcmp(&(float){dx * (float)m}, &u.sc[s], 4)) return 0;   // the very bits, zeros' signs included
             if (q2 && (!int_of(-u.mn[s], dmin, &mn) || memcmp(&(float){-(dmin * (float)mn)}, &u.mn[s], 4))) return 0;
             const int at = 16 * b + (s & 1) * 8 + s / 2;
             o[16 * G + at] = (uint8_t)(int8_t)m;
