@@ -989,6 +989,14 @@ AI void qt_rb6_rows8(const int t, const QTValues *kvt, const uint8_t *const w[8]
 }
 
 #if defined(SS_AVX512) && defined(SS_VNNI)
+// rows8_bcast for the 16-row kernels: x[j] = codes 4j..4j+3 of an activation row's group in every 32-bit lane
+AI void rows16_bcast(const int8_t *a, __m512i x[8]) {
+    for (int j = 0; j < 8; j++) {
+        int32_t v;
+        memcpy(&v, a + 4 * j, 4);
+        x[j] = _mm512_set1_epi32(v);
+    }
+}
 // qt_rb6_rows8's VNNI arithmetic for the per-16 IQ planes over 16 weight rows at once, lanes = rows of 512-bit
 // registers, for CPUs whose 512-bit vpdpbusd runs at the 256-bit one's rate (amx.h's twin_from_rows), as
 // qt_rbnl_rows16 is for the IQ4 layouts. The integer sum per (group, row) is the 8-row kernel's (the 64 of the
@@ -1045,13 +1053,8 @@ AI void qt_rb16_rows16(const int t, const QTValues *kvt, const uint8_t *const w[
                                                                                               _mm512_set1_epi32(255)), 16))
                                          : sa;
                 SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                    const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
                     __m512i x[8];
-                    for (int j = 0; j < 8; j++) {
-                        int32_t v;
-                        memcpy(&v, a + 4 * j, 4);
-                        x[j] = _mm512_set1_epi32(v);
-                    }
+                    rows16_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
                     const int16_t *h = xh + (int64_t)b * (K / 16) + 2 * (int64_t)g;
                     const __m512i z = _mm512_setzero_si512();
                     const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
@@ -1374,13 +1377,8 @@ AI void qt_rbnl_rows16(const int t, const QTValues *kvt, const uint8_t *const w[
                 c[jj] = _mm512_shuffle_epi8(lut, _mm512_and_si512((e & 1) ? _mm512_srli_epi16(L[jj], 4) : L[jj], m4));
             const __m512 o4 = _mm512_mul_ps(s4[e], _mm512_set1_ps(-128.f));
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
-                const int8_t *a = xq + (int64_t)b * K + 32 * (int64_t)g;
                 __m512i x[8];
-                for (int j = 0; j < 8; j++) {
-                    int32_t v;
-                    memcpy(&v, a + 4 * j, 4);
-                    x[j] = _mm512_set1_epi32(v);
-                }
+                rows16_bcast(xq + (int64_t)b * K + 32 * (int64_t)g, x);
                 const __m512i z = _mm512_setzero_si512();
                 const __m512i e0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[0], x[0]), c[1], x[1]), c[2], x[2]), c[3], x[3]);
                 const __m512i e1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, c[4], x[4]), c[5], x[5]), c[6], x[6]), c[7], x[7]);

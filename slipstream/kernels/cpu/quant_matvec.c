@@ -209,19 +209,17 @@ int ss_reencode(int qtype, const uint8_t *src, int64_t n, int K, uint8_t *dst) {
     int ok = 1;
 #pragma omp parallel for schedule(static) num_threads(ss_parallel_threads()) reduction(&& : ok)
     for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = src + r * in_row;
+        if (per16) {   // straight into the planes (no ggml blocks in between)
+            ok = ok && reencode16_row(qtype, vals, code_of, row, K, dst + r * out_row);
+            continue;
+        }
         uint8_t *blocks = malloc((size_t)out_row);
         if (!blocks) {
             ok = 0;
             continue;
         }
-        const uint8_t *row = src + r * in_row;
         int good = 1;
-        if (per16) {
-            good = reencode16_row(qtype, vals, code_of, row, K, dst + r * out_row);
-            free(blocks);
-            ok = ok && good;
-            continue;
-        }
         if (nl) {
             for (int g = 0; g < K / 32 && good; g++) {   // e8m0 + 16 code bytes -> fp16 d + the same bytes
                 int zero = 1;   // every code 0 or 8 (+-0): any scale gives +0, so fp16's 0 does (an all-zero block's e = 0)

@@ -258,6 +258,18 @@ static inline void rows8_store(const SSMat *m, const __m256 *out, int nb, int n,
     }
 }
 
+#if defined(SS_TWIN)
+// rows8_store for the 16-row kernels' blocks: lanes 0-7 of out[b], then 8-15 for the block's rows past 8
+static inline void rows16_store(const SSMat *m, const __m512 *out, int nb, int n, int live, float *y, int ystride,
+                                int accumulate) {
+    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
+    for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
+                                 hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
+    rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
+    if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
+}
+#endif
+
 // Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
 // q4i_rows8), against up to MAX_ROWS activation rows
 __attribute__((noinline)) static void q4i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
@@ -462,11 +474,7 @@ AI void rb6_rows_t(const int t, const SSMat *m, int n0, int n1, int nb, const SS
 #define R16(NB) qt_rb16_rows16(t, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
             SS_BY_ROWS(nb, R16)
 #undef R16
-            __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
-                                         hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
-            rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
-            if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
+            rows16_store(m, out, nb, n, live, y, ystride, accumulate);
         }
 #endif
     for (; n < n1; n += 8) {
@@ -511,11 +519,7 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
 #define NL16(NB) qt_rbnl_rows16(t, kvt, w, K, x->q, x->d, x->s, NB, pf, 16 * row_bytes / (K / 32), out);
             SS_BY_ROWS(nb, NL16)
 #undef NL16
-            __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-            for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
-                                         hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
-            rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
-            if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
+            rows16_store(m, out, nb, n, live, y, ystride, accumulate);
         }
 #endif
     for (; n < n1; n += 8) {
