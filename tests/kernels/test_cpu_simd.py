@@ -208,15 +208,17 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
 def test_twin_rows_come_from_the_cpu_or_the_environment():
     """The row count from which the 512-bit twin takes the q4/q8 products comes from the CPU (2 on AMD family 26,
-    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; else 9: never) unless
-    SLIPSTREAM_TWIN_ROWS sets it."""
+    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; else 9, never, on builds
+    with AMX tiles, which take the batches, and 6 without them) unless SLIPSTREAM_TWIN_ROWS sets it."""
     import subprocess
     import sys
     info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
     info = {k.strip(): v.strip() for k, v in info.items()}
     wide = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", "0")) >= 26
     if "SLIPSTREAM_TWIN_ROWS" not in os.environ:
-        assert lib.ss_set_twin_rows(0) == (2 if wide else 9)
+        flags = set(info.get("flags", "").split())
+        tiles = {"amx_tile", "amx_int8"} <= flags and not os.environ.get("SLIPSTREAM_MARCH")
+        assert lib.ss_set_twin_rows(0) == (2 if wide else 9 if tiles else 6)
     code = "from slipstream.kernels.cpu import load_library; print(load_library().ss_set_twin_rows(0))"
     env = {**os.environ, "SLIPSTREAM_TWIN_ROWS": "5"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

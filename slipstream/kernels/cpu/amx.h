@@ -58,16 +58,26 @@ static int vnni_is_wide(void) {
 
 // Activation rows from which the fast path's q4/q8 products run on the 512-bit twin instead of the 8-row
 // kernels (same bits): 2 where 512-bit vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
-// 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else never (9: the
-// 8-row kernels; on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
+// 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else
+// TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
 static int twin_from_rows = -1;
+// Where 512-bit vpdpbusd is not wide: with AMX (the Sapphire Rapids Xeon) the tiles take the batches and the twin
+// never; without it (the Emerald Rapids Xeon, model 207, whose hypervisor reports no AMX) the twin16 products
+// from 6 rows (step_ab.py --setting twin-rows --prefetch 9 2, default model: batch 8 0.88x, 0.89x, 0.87x,
+// batch 6 0.93x, batch 4 on a par, batch 2 1.16x slower, a 512-token chunk 1.07x in one noisy pair) and the
+// 16-row IQ kernels (kernel_rate.py --rows 8: IQ4_XS, IQ2_XS, Q3_K 1.3-1.6x faster) take them.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TWIN_FROM_ROWS_NARROW (MAX_ROWS + 1)
+#else
+#define TWIN_FROM_ROWS_NARROW 6
+#endif
 // whether those rows take the twin with lanes = weight rows (twin16_rows_*, the default) or the reducing one
 // (twin_rows_*): ss_set_twin16, SLIPSTREAM_TWIN16=0 at load (A/B; the same bits)
 static int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
-    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : MAX_ROWS + 1;
+    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : TWIN_FROM_ROWS_NARROW;
     const char *t16 = getenv("SLIPSTREAM_TWIN16");
     if (t16 && t16[0] == '0') twin16_usable = 0;
 }
