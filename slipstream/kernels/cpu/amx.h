@@ -32,6 +32,9 @@
 // the tiles. On an AVX-512 VNNI machine without AMX every fast q4/q8 product runs on the twin.
 #if defined(SS_AVX512) && defined(__AVX512VNNI__)
 #define SS_TWIN 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SS_AMX 1   // the tiles' code is below; defined here so the twin's row threshold can ask for it
+#endif
 #include <cpuid.h>   // x86 only: here, not above (Arm builds include this file too)
 
 static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX2 builds' kernels instead
@@ -67,7 +70,7 @@ static int twin_from_rows = -1;
 // from 6 rows (step_ab.py --setting twin-rows --prefetch 9 2, default model: batch 8 0.88x, 0.89x, 0.87x,
 // batch 6 0.93x, batch 4 on a par, batch 2 1.16x slower, a 512-token chunk 1.07x in one noisy pair) and the
 // 16-row IQ kernels (kernel_rate.py --rows 8: IQ4_XS, IQ2_XS, Q3_K 1.3-1.6x faster) take them.
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#ifdef SS_AMX
 #define TWIN_FROM_ROWS_NARROW (MAX_ROWS + 1)
 #else
 #define TWIN_FROM_ROWS_NARROW 6
@@ -229,8 +232,7 @@ AI void *amx_scratch(void **buf, int64_t *cap, int64_t need) {
 
 #endif
 
-#if defined(SS_TWIN) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define SS_AMX 1
+#ifdef SS_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
