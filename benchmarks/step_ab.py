@@ -12,6 +12,8 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --batch 8 --setting amx --prefetch 0 1   # AMX tile products off / on
     python benchmarks/step_ab.py --batch 8 --setting twin --prefetch 0 1  # paired kernels / twin and tiles
     python benchmarks/step_ab.py --batch 8 --setting twin-rows --prefetch 9 2   # 8-row kernels / 512-bit twin
+    python benchmarks/step_ab.py --model IQ4_XS.gguf --batch 8 --setting iq16-rows --prefetch 9 2
+                                       # the IQ types' products 8 weight rows at a time / 16 from 2 rows on
     SLIPSTREAM_MARCH=x86-64-v3 python benchmarks/step_ab.py --batch 8 --setting rows8 --prefetch 0 1 3
                                        # AVX2 products one weight row at a time / q4 8 at a time / q4 and q8
     python benchmarks/step_ab.py --batch 8 --kv-cache-dtype fp32          # the KV cache's element type (run
@@ -34,7 +36,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="*", default=[], help="prefetch distances (bytes) to cycle")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prompt chunk of this many tokens (after --context) instead of a decode step")
-    settings = ["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin", "rows8", "twin-rows", "twin16"]
+    settings = ["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin", "rows8", "twin-rows", "twin16",
+                "iq16-rows"]
     ap.add_argument("--setting", choices=settings, default="prefetch",
                     help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
@@ -44,7 +47,9 @@ def main() -> None:
                          "weight rows at a time or one (ss_set_rows8: bit 0 q4, bit 1 q8, bit 2 Q6_K, bit 3 Q5_K, "
                          "bit 4 Q5_0 and Q5_1 (off by default)), or from how many activation rows the AVX-512 VNNI "
                          "builds' q4/q8 products take the 512-bit twin instead of the 8-row kernels "
-                         "(ss_set_twin_rows: 9 never), or whether that twin has lanes = weight rows (ss_set_twin16: 0 "
+                         "(ss_set_twin_rows: 9 never), or from how many the IQ4 layouts' and per-16 IQ planes' "
+                         "products take 16 weight rows at a time (ss_set_iq16_rows: 9 never), or whether that "
+                         "twin has lanes = weight rows (ss_set_twin16: 0 "
                          "the reducing twin, 1)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
@@ -84,13 +89,13 @@ def main() -> None:
                 {"prefetch": lib.ss_set_prefetch, "wait-prefetch": lib.ss_set_wait_prefetch,
                  "attn-prefetch": lib.ss_set_attn_prefetch, "amx": lib.ss_set_amx, "twin": lib.ss_set_twin,
                  "rows8": lib.ss_set_rows8, "twin-rows": lib.ss_set_twin_rows,
-                 "twin16": lib.ss_set_twin16}[args.setting](v)
+                 "twin16": lib.ss_set_twin16, "iq16-rows": lib.ss_set_iq16_rows}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
-        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows", "twin16")
+        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows", "twin16", "iq16-rows")
         label = "default" if v is None else f"{args.setting} {v}" + ("" if unitless else " B")
         print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
               f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")

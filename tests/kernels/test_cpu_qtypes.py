@@ -239,20 +239,20 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(qt: QT, exact: boo
 @pytest.mark.parametrize("qt", [QT.IQ4_NL, QT.IQ4_XS, QT.IQ2_XXS, QT.MXFP4, QT.IQ2_XS, QT.IQ1_M, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [64, 576, 1536])
 def test_the_16_row_kernels_give_the_8_row_kernels_bits(qt: QT, k: int) -> None:
-    """qtypes.h's qt_rbnl_rows16 and qt_rb16_rows16 (AVX-512 builds where 512-bit vpdpbusd is wide: twin_from_rows)
-    against the 8-row kernels, forced by ss_set_twin_rows: the same bits on 1-12 rows (elsewhere both settings run the
-    8-row kernel)."""
+    """qtypes.h's qt_rbnl_rows16 and qt_rb16_rows16 (AVX-512 VNNI builds, from amx.h's iq16_from_rows activation rows
+    on) against the 8-row kernels, forced by ss_set_iq16_rows: the same bits on 1-12 rows (elsewhere both settings run
+    the 8-row kernel)."""
     if k % 256 and RAW_TYPES[int(qt)][1] == 256:
         pytest.skip("a 256-weight block type")
     n = 45
     w = as_linear(qt, random_blocks(qt, n, k, seed=7), n, k)
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(8))
-    old = lib.ss_set_twin_rows(0)
+    old = lib.ss_set_iq16_rows(0)
     try:
         for rows in (1, 2, 8, 12):
-            lib.ss_set_twin_rows(1)
+            lib.ss_set_iq16_rows(1)
             wide = native_product(w, x[:rows], exact=False)
-            lib.ss_set_twin_rows(9)
+            lib.ss_set_iq16_rows(9)
             assert torch.equal(wide, native_product(w, x[:rows], exact=False)), rows
     finally:
-        lib.ss_set_twin_rows(old)
+        lib.ss_set_iq16_rows(old)

@@ -208,8 +208,9 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
 def test_twin_rows_come_from_the_cpu_or_the_environment():
     """The row count from which the 512-bit twin takes the q4/q8 products comes from the CPU (2 on AMD family 26,
-    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; else 9, never, on builds
-    with AMX tiles, which take the batches, and 6 without them) unless SLIPSTREAM_TWIN_ROWS sets it."""
+    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; else 9, never, where AMX
+    tiles take the batches: a build with them whose kernel grants the tile state; 6 elsewhere) unless
+    SLIPSTREAM_TWIN_ROWS sets it; the IQ types' 16-row kernels take 2 rows on unless SLIPSTREAM_IQ16_ROWS says."""
     import subprocess
     import sys
     info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
@@ -218,11 +219,20 @@ def test_twin_rows_come_from_the_cpu_or_the_environment():
     if "SLIPSTREAM_TWIN_ROWS" not in os.environ:
         flags = set(info.get("flags", "").split())
         tiles = {"amx_tile", "amx_int8"} <= flags and not os.environ.get("SLIPSTREAM_MARCH")
-        assert lib.ss_set_twin_rows(0) == (2 if wide else 9 if tiles else 6)
-    code = "from slipstream.kernels.cpu import load_library; print(load_library().ss_set_twin_rows(0))"
-    env = {**os.environ, "SLIPSTREAM_TWIN_ROWS": "5"}
+        assert lib.ss_set_twin_rows(0) == (2 if wide else 9 if tiles and lib.ss_amx_active() else 6)
+    if "SLIPSTREAM_IQ16_ROWS" not in os.environ:
+        assert lib.ss_set_iq16_rows(0) == 2
+    lib_ = "from slipstream.kernels.cpu import load_library; lib = load_library(); "
+    code = lib_ + "print(lib.ss_set_twin_rows(0), lib.ss_set_iq16_rows(0))"
+    env = {**os.environ, "SLIPSTREAM_TWIN_ROWS": "5", "SLIPSTREAM_IQ16_ROWS": "7"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "5"
+    assert out.stdout.split() == ["5", "7"]
+    if tiles and not wide and "SLIPSTREAM_TWIN_ROWS" not in os.environ:
+        # a kernel that refuses the tile state (here: SLIPSTREAM_AMX=0) leaves a build without tiles: 6
+        env = {**os.environ, "SLIPSTREAM_AMX": "0"}
+        out = subprocess.run([sys.executable, "-c", lib_ + "print(lib.ss_set_twin_rows(0), lib.ss_amx_active())"],
+                             env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == ["6", "0"]
 
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")

@@ -70,17 +70,36 @@ static int twin_from_rows = -1;
 // from 6 rows (step_ab.py --setting twin-rows --prefetch 9 2, default model: batch 8 0.88x, 0.89x, 0.87x,
 // batch 6 0.93x, batch 4 on a par, batch 2 1.16x slower, a 512-token chunk 1.07x in one noisy pair) and the
 // 16-row IQ kernels (kernel_rate.py --rows 8: IQ4_XS, IQ2_XS, Q3_K 1.3-1.6x faster) take them.
-#ifdef SS_AMX
-#define TWIN_FROM_ROWS_NARROW (MAX_ROWS + 1)
-#else
+// Which of the two holds is asked of the kernel at load (amx_on): a build with AMX whose kernel refuses the tile
+// state, or SLIPSTREAM_AMX=0, is a build without tiles.
+#define TWIN_FROM_ROWS_TILES (MAX_ROWS + 1)
 #define TWIN_FROM_ROWS_NARROW 6
+#ifdef SS_AMX
+static inline int amx_on(void);
 #endif
+static int twin_rows_narrow(void) {
+#ifdef SS_AMX
+    return amx_on() ? TWIN_FROM_ROWS_TILES : TWIN_FROM_ROWS_NARROW;
+#else
+    return TWIN_FROM_ROWS_NARROW;
+#endif
+}
+// Activation rows from which the IQ4 layouts and the per-16 IQ planes multiply 16 weight rows at a time
+// (qt_rbnl_rows16, qt_rb16_rows16) rather than 8 (the same bits): no tiles take these types, so AMX does not
+// enter into it. 2 on every CPU measured: the Zen 5 EPYC (wide 512-bit vpdpbusd: as its twin_from_rows); on the
+// Sapphire Rapids Xeon (with AMX) one core's rate at 2, 4, 6, 8 rows 1.12-1.25x, 1.13-1.23x, 1.20-1.33x, 1.23-1.33x (IQ4_XS, IQ2_XS, Q3_K,
+// kernel_rate.py), and the Emerald Rapids Xeon's 8-row rate 1.3-1.6x. SLIPSTREAM_IQ16_ROWS=N at load, or
+// ss_set_iq16_rows(N), sets it.
+#define IQ16_FROM_ROWS 2
+static int iq16_from_rows = -1;
 // whether those rows take the twin with lanes = weight rows (twin16_rows_*, the default) or the reducing one
 // (twin_rows_*): ss_set_twin16, SLIPSTREAM_TWIN16=0 at load (A/B; the same bits)
 static int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
-    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : TWIN_FROM_ROWS_NARROW;
+    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : twin_rows_narrow();
+    const char *iq = getenv("SLIPSTREAM_IQ16_ROWS");
+    iq16_from_rows = iq && *iq ? atoi(iq) : IQ16_FROM_ROWS;
     const char *t16 = getenv("SLIPSTREAM_TWIN16");
     if (t16 && t16[0] == '0') twin16_usable = 0;
 }

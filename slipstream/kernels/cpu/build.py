@@ -205,6 +205,7 @@ def load_library() -> ctypes.CDLL | None:
         "ss_set_twin": [i32],
         "ss_set_rows8": [i32],
         "ss_set_twin_rows": [i32],
+        "ss_set_iq16_rows": [i32],
         "ss_set_twin16": [i32],
         "ss_rows8": [],
         "ss_set_wait_prefetch": [i32],
@@ -228,6 +229,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_set_twin.restype = i32
     lib.ss_set_rows8.restype = i32
     lib.ss_set_twin_rows.restype = i32
+    lib.ss_set_iq16_rows.restype = i32
     lib.ss_set_twin16.restype = i32
     lib.ss_rows8.restype = i32
     lib.ss_iq_grids_ready.restype = i32

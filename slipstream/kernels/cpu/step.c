@@ -462,9 +462,9 @@ AI void rb6_rows_t(const int t, const SSMat *m, int n0, int n1, int nb, const SS
     }
     int n = n0;
 #if defined(SS_TWIN)
-    // the per-16 IQ planes, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation
-    // rows on (the same bits as 8 at a time: qt_rb16_rows16)
-    if (iq && nb >= twin_from_rows && twin_usable)
+    // the per-16 IQ planes: 16 weight rows at a time from iq16_from_rows activation rows on (the same bits as 8 at a
+    // time: qt_rb16_rows16)
+    if (iq && nb >= iq16_from_rows && twin_usable)
         for (; n + 8 < n1; n += 16) {
             const int live = n1 - n < 16 ? n1 - n : 16;
             const uint8_t *w[16];
@@ -507,9 +507,9 @@ __attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, i
     const QTValues *kvt = qt_kv(m->qtype);
     int n = n0;
 #if defined(SS_TWIN)
-    // IQ4 layouts, where 512-bit vpdpbusd is wide: 16 weight rows at a time from twin_from_rows activation rows on
-    // (the same bits as 8 at a time: qt_rbnl_rows16)
-    if (qt_rb_iq4(t) && nb >= twin_from_rows && twin_usable)
+    // IQ4 layouts: 16 weight rows at a time from iq16_from_rows activation rows on (the same bits as 8 at a time:
+    // qt_rbnl_rows16)
+    if (qt_rb_iq4(t) && nb >= iq16_from_rows && twin_usable)
         for (; n + 8 < n1; n += 16) {
             const int live = n1 - n < 16 ? n1 - n : 16;
             const uint8_t *w[16];
@@ -642,6 +642,18 @@ int ss_set_rows8(int on) {
     return rows8_usable;
 #else
     (void)on;
+    return 0;
+#endif
+}
+
+// Activation rows from which the IQ4 layouts' and per-16 IQ planes' products take 16 weight rows at a time (amx.h
+// iq16_from_rows; the same bits): n >= 1 sets it, 0 only reads it; returns the resulting value (0 without the twin)
+int ss_set_iq16_rows(int n) {
+#ifdef SS_TWIN
+    if (n > 0) iq16_from_rows = n;
+    return iq16_from_rows;
+#else
+    (void)n;
     return 0;
 #endif
 }
@@ -780,7 +792,7 @@ static void mat_rows(const SSMat *m, int n0, int n1, int B, const SSAct *x, floa
 #if defined(SS_TWIN)
         // the IQ4 layouts' and per-16 IQ planes' 16-row kernels (q5i_rows, q6i_rows) where they run: blocks of 16 rows
         // (17 KB at K = 2048)
-        if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && twin_from_rows <= MAX_ROWS && twin_usable &&
+        if (!twin && !exact && x->q && m->kind == KIND_QT && rows8_on(m) && iq16_from_rows <= MAX_ROWS && twin_usable &&
             (qt_rb_iq4(m->qtype) || qt_rb16(m->qtype)))
             wb = wb < 16 ? 16 : wb & ~15;
 #endif
