@@ -239,6 +239,20 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
     }
 }
 
+// Into L2, for the block of 16 rows from n (a later block than the one being multiplied): part `part` of `parts` of
+// its lines in address order (its rows are one run of bytes), and its scales with part 0. A kernel spreads a block's
+// parts over its steps: a burst of 16 prefetches holds the L1's fill buffers at once and stalls what follows. Against
+// one line per row and quad of groups (amx_prefetch_later; a row's 64 bytes of a quad straddle two lines where rows are
+// not 64-byte multiples, K = 576 among them), amx_kernels.c's tiles at 8 rows: q4 in cache 1.07-1.15x, L3-sized 1.06x,
+// DRAM-sized 1.09-1.11x (two at once 1.09x), q8 1.02-1.05x
+AI void amx_prefetch_part(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                          int q4, int G, int64_t row_bytes, int64_t n, int part, int parts) {
+    const char *ahead = (const char *)wq + n * row_bytes;
+    const int64_t lines = 16 * row_bytes / 64, per = (lines + parts - 1) / parts;
+    for (int64_t l = part * per; l < (part + 1) * per && l < lines; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
+    if (part == 0) amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n, 0, 0, 0);
+}
+
 // a thread's scratch of at least `need` bytes, 64-byte aligned, grown (never shrunk) on demand
 AI void *amx_scratch(void **buf, int64_t *cap, int64_t need) {
     if (need > *cap) {
@@ -420,18 +434,10 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
         if (q4) amx_unpack(w, row_bytes, 0, G, abuf[0]);
         for (int p = 0; p < P; p++) {
             const int g = 2 * p, i = p & 1;   // groups g, g+1: the i-th pair of the block of four groups from g - 2i
-            // the block AMX_PF_BLOCKS ahead (its rows are one run of bytes) in address order, a P-th of its lines per
-            // pair (a burst of 16 prefetches holds the L1's fill buffers at once and stalls what follows), its scales
-            // with the first. Against a quad of groups of half its rows per pair (a row's 64 bytes straddle two lines
-            // where rows are not 64-byte multiples, K = 576 among them), amx_kernels.c at 8 rows: q4 in cache
-            // 1.07-1.15x, L3-sized 1.06x, DRAM-sized 1.09-1.11x (two at once 1.09x), q8 1.02-1.05x; the default model's
-            // batch-8 step in process on a par (0.996x, 1.004x; batch 6 1.011x)
-            if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all) {
-                const char *ahead = (const char *)wq + (n + 16 * AMX_PF_BLOCKS) * row_bytes;
-                const int64_t lines = 16 * row_bytes / 64, per = (lines + P - 1) / P;
-                for (int64_t l = p * per; l < (p + 1) * per && l < lines; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
-                if (p == 0) amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, 0, 0, 0);
-            }
+            // the block AMX_PF_BLOCKS ahead, a P-th of it per pair (the default model's batch-8 step in process on a
+            // par with one line per row and quad: 0.996x, 1.004x; batch 6 1.011x)
+            if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
+                amx_prefetch_part(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, p, P);
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
                 tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(p >> 1) & 1], mw[(p >> 1) & 1]);
@@ -711,7 +717,10 @@ AI void twin16_rows_of(const void *wq, const void *sc, const void *mn, const voi
         for (int c = 0; c < C; c++) {
             const int g4 = 4 * c, ng = G - g4 < 4 ? G - g4 : 4;
             if (pf && n + 16 * (TWIN_PF_BLOCKS + 1) <= n_all)
-                amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, g4, 0, 16);
+                // a C-th of the block per quad (amx_kernels.c's twin16 at 2-8 rows against one line per row and quad:
+                // q4 1.03-1.09x in cache, 1.04-1.09x L3-sized, 1.05-1.11x DRAM-sized; q8 0.96-1.01x, 1.00-1.10x,
+                // 1.04-1.11x; the reducing twin above on a par or slower, so it keeps those)
+                amx_prefetch_part(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, c, C);
             tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
             for (int i = 0; i < ng; i++) {
                 const int g = g4 + i;
