@@ -87,9 +87,10 @@ static int twin_rows_narrow(void) {
 // Activation rows from which the IQ4 layouts and the per-16 IQ planes multiply 16 weight rows at a time
 // (qt_rbnl_rows16, qt_rb16_rows16) rather than 8 (the same bits): no tiles take these types, so AMX does not
 // enter into it. 2 on every CPU measured: the Zen 5 EPYC (wide 512-bit vpdpbusd: as its twin_from_rows); on the
-// Sapphire Rapids Xeon (with AMX) one core's rate at 2, 4, 6, 8 rows 1.12-1.25x, 1.13-1.23x, 1.20-1.33x, 1.23-1.33x (IQ4_XS, IQ2_XS, Q3_K,
-// kernel_rate.py), and the Emerald Rapids Xeon's 8-row rate 1.3-1.6x. SLIPSTREAM_IQ16_ROWS=N at load, or
-// ss_set_iq16_rows(N), sets it.
+// Sapphire Rapids Xeon (with AMX) one core's rate at 2, 4, 6, 8 rows 1.12-1.25x, 1.13-1.23x, 1.20-1.33x,
+// 1.23-1.33x (IQ4_XS, IQ2_XS, Q3_K, kernel_rate.py) and an IQ4 file's step at batch 2, 4, 8 0.96x, 0.93x, 0.92x
+// (step_ab.py --setting iq16-rows), and the Emerald Rapids Xeon's 8-row rate 1.3-1.6x. SLIPSTREAM_IQ16_ROWS=N at
+// load, or ss_set_iq16_rows(N), sets it.
 #define IQ16_FROM_ROWS 2
 static int iq16_from_rows = -1;
 // whether those rows take the twin with lanes = weight rows (twin16_rows_*, the default) or the reducing one
