@@ -68,7 +68,8 @@ int main(void) {
                 double t3 = now();
                 if (q4) twin16_rows_q4(w4, sc, mn, st, mt, 1, K, 0, N, &xq[0][0], &xd[0][0], &xs[0][0], nb, NULL, y16, N, 0, 1, N);
                 else twin16_rows_q8(w8, sc, st, 1, K, 0, N, &xq[0][0], &xd[0][0], nb, NULL, y16, N, 0, 1, N);
-                if (now() - t3 < best_16) best_16 = now() - t3;
+                const double t4 = now();
+                if (t4 - t3 < best_16) best_16 = t4 - t3;
                 if (t1 - t0 < best_a) best_a = t1 - t0;
                 if (t2 - t1 < best_p) best_p = t2 - t1;
                 if (t3 - t2 < best_t) best_t = t3 - t2;

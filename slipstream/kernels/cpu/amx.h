@@ -219,17 +219,9 @@ AI void tile_scales(const void *sc, const void *mn, const void *st, const void *
         }
 }
 
-// Into L2, for the block of 16 rows from n (a later block than the one being multiplied): the codes of
-// groups g..g+3 and, with g = 0, the block's scales and mins (contiguous in either layout: the tile-ordered
+// Into L2, the scales and mins of the block of 16 rows from n (contiguous in either layout: the tile-ordered
 // copy when there is one, which is what the kernels then read)
-AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
-                           int q4, int G, int64_t row_bytes, int64_t n, int g, int r0, int r1) {
-    const uint8_t *nx = (const uint8_t *)wq + n * row_bytes + (q4 ? 16 : 32) * (int64_t)g;
-    for (int r = r0; r < r1; r++) {
-        __builtin_prefetch(nx + r * row_bytes, 0, 2);
-        if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
-    }
-    if (g || r0) return;
+AI void amx_prefetch_scales(const void *sc, const void *mn, const void *st, const void *mt, int half, int G, int64_t n) {
     const int compact = st && (half & 2), tiles = compact || (st && (n & 15) == 0);   // compact: sc holds no planes
     const int64_t esz = (half & 1) ? 2 : 4, at = compact ? (n >> 4) * 20 * (int64_t)G : n * G * esz;
     const int64_t len = compact ? 20 * (int64_t)G : 16 * G * esz;
@@ -240,6 +232,18 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
     }
 }
 
+// Into L2, for the block of 16 rows from n (a later block than the one being multiplied): the codes of
+// groups g..g+3 of rows r0..r1 and, with g = 0 and r0 = 0, the block's scales and mins
+AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
+                           int q4, int G, int64_t row_bytes, int64_t n, int g, int r0, int r1) {
+    const uint8_t *nx = (const uint8_t *)wq + n * row_bytes + (q4 ? 16 : 32) * (int64_t)g;
+    for (int r = r0; r < r1; r++) {
+        __builtin_prefetch(nx + r * row_bytes, 0, 2);
+        if (!q4) __builtin_prefetch(nx + r * row_bytes + 64, 0, 2);
+    }
+    if (g == 0 && r0 == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n);
+}
+
 // Into L2, for the block of 16 rows from n (a later block than the one being multiplied): part `part` of `parts` of
 // its lines in address order (its rows are one run of bytes), and its scales with part 0. A kernel spreads a block's
 // parts over its steps: a burst of 16 prefetches holds the L1's fill buffers at once and stalls what follows. Against
@@ -247,11 +251,11 @@ AI void amx_prefetch_later(const void *wq, const void *sc, const void *mn, const
 // not 64-byte multiples, K = 576 among them), amx_kernels.c's tiles at 8 rows: q4 in cache 1.07-1.15x, L3-sized 1.06x,
 // DRAM-sized 1.09-1.11x (two at once 1.09x), q8 1.02-1.05x
 AI void amx_prefetch_part(const void *wq, const void *sc, const void *mn, const void *st, const void *mt, int half,
-                          int q4, int G, int64_t row_bytes, int64_t n, int part, int parts) {
+                          int64_t row_bytes, int G, int64_t n, int part, int parts) {
     const char *ahead = (const char *)wq + n * row_bytes;
     const int64_t lines = 16 * row_bytes / 64, per = (lines + parts - 1) / parts;
     for (int64_t l = part * per; l < (part + 1) * per && l < lines; l++) __builtin_prefetch(ahead + 64 * l, 0, 2);
-    if (part == 0) amx_prefetch_later(wq, sc, mn, st, mt, half, q4, G, row_bytes, n, 0, 0, 0);
+    if (part == 0) amx_prefetch_scales(sc, mn, st, mt, half, G, n);
 }
 
 // a thread's scratch of at least `need` bytes, 64-byte aligned, grown (never shrunk) on demand
@@ -438,7 +442,7 @@ AI void amx_rows_of(const void *wq, const void *sc, const void *mn, const void *
             // the block AMX_PF_BLOCKS ahead, a P-th of it per pair (the default model's batch-8 step in process on a
             // par with one line per row and quad: 0.996x, 1.004x; batch 6 1.011x)
             if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
-                amx_prefetch_part(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * AMX_PF_BLOCKS, p, P);
+                amx_prefetch_part(wq, sc, mn, st, mt, half, row_bytes, G, n + 16 * AMX_PF_BLOCKS, p, P);
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
                 tile_scales(sc, mn, st, mt, half, q4, G, n, 16, g, ng, sw[(p >> 1) & 1], mw[(p >> 1) & 1]);
@@ -721,7 +725,7 @@ AI void twin16_rows_of(const void *wq, const void *sc, const void *mn, const voi
                 // a C-th of the block per quad (amx_kernels.c's twin16 at 2-8 rows against one line per row and quad:
                 // q4 1.03-1.09x in cache, 1.04-1.09x L3-sized, 1.05-1.11x DRAM-sized; q8 0.96-1.01x, 1.00-1.10x,
                 // 1.04-1.11x; the reducing twin above on a par or slower, so it keeps those)
-                amx_prefetch_part(wq, sc, mn, st, mt, half, q4, G, row_bytes, n + 16 * TWIN_PF_BLOCKS, c, C);
+                amx_prefetch_part(wq, sc, mn, st, mt, half, row_bytes, G, n + 16 * TWIN_PF_BLOCKS, c, C);
             tile_scales(sc, mn, st, mt, half, q4, G, n, live, g4, ng, sw, mw);
             for (int i = 0; i < ng; i++) {
                 const int g = g4 + i;
