@@ -36,7 +36,7 @@ int main(void) {
                 const uint8_t *ws[8]; for (int r = 0; r < 8; r++) ws[r] = w + (int64_t)(n + r) * K / 2;
                 __m256 out[8];
                 const int64_t at = (int64_t)(n / 16) * G * 16 + n % 16;
-#define QI(NB) q4i_rows8(ws, st + at, mt + at, 1, 16, G, xq, xd, xs, NB, NULL, out)
+#define QI(NB) q4i_rows8(ws, st + at, mt + at, 1, 16, G, xq, xd, xs, NB, NULL, 0, out)
                 SS_BY_ROWS(nb, QI); for (int b = 0; b < nb; b++) sink += _mm256_cvtss_f32(out[b]);
             }
             double t2 = now();
@@ -53,7 +53,7 @@ int main(void) {
                 const int8_t *ws[8]; for (int r = 0; r < 8; r++) ws[r] = w8 + (int64_t)(n + r) * K;
                 __m256 out[8];
                 const int64_t at = (int64_t)(n / 16) * G * 16 + n % 16;
-#define Q8I(NB) q8i_rows8(ws, st + at, 1, 16, G, xq, xd, NB, NULL, out)
+#define Q8I(NB) q8i_rows8(ws, st + at, 1, 16, G, xq, xd, NB, NULL, 0, out)
                 SS_BY_ROWS(nb, Q8I); for (int b = 0; b < nb; b++) sink += _mm256_cvtss_f32(out[b]);
             }
             double t2 = now();

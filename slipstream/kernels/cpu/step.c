@@ -157,16 +157,20 @@ enum {
 // -- products over a tile of weight rows -------------------------------------------------------------
 // Weight rows are prefetched into L2 this many bytes ahead of the row being multiplied (within the
 // matrix, past the task's own tile): the hardware prefetchers alone leave the product waiting on
-// DRAM, compute and memory taking turns. 32 KB measured best on the Zen 3 EPYC (AVX2), about 6% off
-// the batch-1 step (in-process A/B against 0, 16 and 64 KB). On the Sapphire Rapids Xeon (2 MB L2, whose
-// own streamer runs further ahead) 8-16 KB measured best, 32 KB 4-5% slower at batch 1 and 8 (step_ab.py,
-// 2026-11-25): Intel CPUs start at 12 KB. ss_set_prefetch changes it (0: off).
+// DRAM, compute and memory taking turns. 32 KB measured best on the Zen 3 EPYC (AVX2) with the one-row
+// paired kernels (2026-11-24); with the 8-row kernels, which also prefetch the next block of 8 rows, the
+// same machine kind measured 4-8 KB best: 32 KB 1.20x slower at batch 1 and 1.09x at batch 8 (step_ab.py,
+// 2026-12-02), so AMD CPUs without AVX-512 (Zen 2/3, 512 KB L2) start at 8 KB; the AVX-512 ones (Zen 4/5,
+// 1 MB L2) keep 32 KB. On the Sapphire Rapids Xeon (2 MB L2, whose own streamer runs further ahead) 8-16 KB
+// measured best, 32 KB 4-5% slower at batch 1 and 8 (step_ab.py, 2026-11-25): Intel CPUs start at 12 KB.
+// ss_set_prefetch changes it (0: off).
 static int pf_bytes = 32768;
 void ss_set_prefetch(int bytes) { pf_bytes = bytes > 0 ? bytes : 0; }
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((constructor)) static void pf_default(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_is("intel")) pf_bytes = 12288;
+    else if (__builtin_cpu_is("amd") && !__builtin_cpu_supports("avx512f")) pf_bytes = 8192;
 }
 #endif
 #if defined(SS_AVX2) && defined(__F16C__)
