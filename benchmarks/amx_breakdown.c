@@ -120,7 +120,7 @@ __attribute__((noinline)) static void amxt_rows_q4(const void *wq, const void *s
             if (i == 0) {
                 const int ng = G - g < 4 ? G - g : 4;
                 if (pf && n + 16 * (AMX_PF_BLOCKS + 1) <= n_all)
-                    amx_prefetch_later(wq, sc, mn, st, mt, half, 1, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g);
+                    amx_prefetch_later(wq, sc, mn, st, mt, half, 1, G, row_bytes, n + 16 * AMX_PF_BLOCKS, g, 0, 16);
                 tile_scales(sc, mn, st, mt, half, 1, G, n, 16, g, ng, sw[(g >> 2) & 1], mw[(g >> 2) & 1]);
                 if (g + 4 < G) amxt_unpack(w, row_bytes, g + 4, G, bbuf[((g >> 2) + 1) & 1]);
             }

@@ -7,6 +7,9 @@
 //   gcc -O2 -march=native -o /tmp/kv_layout benchmarks/kv_layout.c
 //   for m in 0 1; do /tmp/kv_layout 4000 $m 32; done      # N MODE PF [HUGE]
 #include <immintrin.h>
+#ifndef __AVX512F__
+#error "kv_layout.c reads the cache with 512-bit vectors: build it on an AVX-512 CPU (-march=native there)"
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdint.h>
