@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.kernels.cpu import native_available
+from slipstream.kernels.cpu.build import SOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "slipstream" / "kernels" / "cpu"
@@ -37,7 +38,7 @@ def _runs(march: str) -> bool:
 def test_x86_builds_pass_the_kernel_tests(march: str, isa: str):
     if not _runs(march):
         cc = shutil.which("gcc") or shutil.which("cc")
-        for src in ("step.c", "quant_matvec.c", "decode_ops.c"):   # this CPU cannot run it: compile it
+        for src in SOURCES:   # this CPU cannot run it: compile it
             proc = subprocess.run([cc, "-O2", f"-march={march}", "-std=gnu11", "-fopenmp", "-pthread", "-c",
                                    "-o", os.devnull, str(CPU / src)], capture_output=True, text=True)
             assert proc.returncode == 0, proc.stderr[-2000:]
@@ -67,7 +68,7 @@ def test_arm_kernels_under_qemu(tmp_path: Path, march: str, isa: str):
     # the whole library must build for Arm too (the step and its thread team)
     lib = subprocess.run([ARM_CC, "-O2", f"-march={march}", "-std=gnu11", "-fopenmp", "-pthread", "-shared", "-fPIC",
                           "-ffp-contract=off", "-o", str(tmp_path / "lib.so"),
-                          *(str(CPU / s) for s in ("step.c", "quant_matvec.c", "decode_ops.c")), "-lm"],
+                          *(str(CPU / s) for s in SOURCES), "-lm"],
                          capture_output=True, text=True)
     assert lib.returncode == 0, lib.stderr[-2000:]
     run = subprocess.run([QEMU, str(exe)], capture_output=True, text=True, timeout=120)

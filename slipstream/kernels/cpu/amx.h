@@ -37,7 +37,7 @@
 #endif
 #include <cpuid.h>   // x86 only: here, not above (Arm builds include this file too)
 
-static int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX2 builds' kernels instead
+SS_SHARED int twin_usable = 1;   // ss_set_twin; SLIPSTREAM_TWIN=0 at load: the AVX2 builds' kernels instead
 __attribute__((constructor)) static void twin_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN");
     if (env && env[0] == '0') twin_usable = 0;
@@ -64,7 +64,7 @@ static int vnni_is_wide(void) {
 // 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else
 // TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
-static int twin_from_rows = -1;
+SS_SHARED int twin_from_rows = -1;
 // Where 512-bit vpdpbusd is not wide: with AMX (the Sapphire Rapids Xeon) the tiles take the batches and the twin
 // never; without it (the Emerald Rapids Xeon, model 207, whose hypervisor reports no AMX) the twin16 products
 // from 6 rows (step_ab.py --setting twin-rows --prefetch 9 2, default model: batch 8 0.88x, 0.89x, 0.87x,
@@ -92,10 +92,10 @@ static int twin_rows_narrow(void) {
 // (step_ab.py --setting iq16-rows), and the Emerald Rapids Xeon's 8-row rate 1.3-1.6x. SLIPSTREAM_IQ16_ROWS=N at
 // load, or ss_set_iq16_rows(N), sets it.
 #define IQ16_FROM_ROWS 2
-static int iq16_from_rows = -1;
+SS_SHARED int iq16_from_rows = -1;
 // whether those rows take the twin with lanes = weight rows (twin16_rows_*, the default) or the reducing one
 // (twin_rows_*): ss_set_twin16, SLIPSTREAM_TWIN16=0 at load (A/B; the same bits)
-static int twin16_usable = 1;
+SS_SHARED int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
     twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : twin_rows_narrow();
@@ -290,7 +290,7 @@ typedef struct {
 #define T_B1 7
 
 // -1: not asked yet; 0: off (the kernel refused the tile state, SLIPSTREAM_AMX=0, or ss_set_amx(0)); 1: on
-static int amx_usable = -1;
+SS_SHARED int amx_usable = -1;
 
 // Linux hands out the 8 KB tile state only to processes that ask for it (arch_prctl, 5.16 and later)
 static int amx_request(void) {

@@ -11,16 +11,23 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's libgomp first so the kernels share its OpenMP pool)
 
-SOURCES = ["quant_matvec.c", "decode_ops.c", "step.c"]
-HEADERS = ["simd.h", "ops.h", "qtypes.h", "iqtypes.h", "amx.h"]
+# the biggest first: each is compiled on its own core where there are cores for it (_compile)
+SOURCES = ["step.c", "step_qt.c", "quant_matvec.c", "decode_ops.c"]
+HEADERS = ["simd.h", "ops.h", "qtypes.h", "iqtypes.h", "amx.h", "step.h"]
 # -ffp-contract=off: a*b+c stays two roundings unless a kernel asks for an FMA, so the kernels
 # reproduce GGUF's and torch's element-wise maths exactly
-BASE_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11", "-pthread"]
+# -fno-gcse -fno-gcse-after-reload: GCC's RTL global CSE passes cost a quarter of step.c's compile time (its row
+# kernels are functions of hundreds of KB once every row count's variant is inlined) and the step no measurable
+# speed: step.c 72.9 s against 108.6 s on the Zen 3 EPYC, the batch-1 step 3.92 against 3.97 ms, batch 8
+# 14.40 against 14.29 ms (medians, alternating builds; docs/BENCHMARKS.md, 2026-12-02)
+BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-gcse", "-fno-gcse-after-reload", "-shared", "-fPIC", "-std=gnu11",
+              "-pthread"]
 
 
 def _named_isa(flags: str) -> str | None:
@@ -98,20 +105,34 @@ def _cache_dirs() -> list[Path]:
     return [main] + ([temp] if temp is not None else [])
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _compile(cc: list[str], flags: list[str], src: list[Path], out: Path) -> str | None:
-    """Build `out` (atomically: concurrent processes never see a half-written file); the compiler's
-    complaint on failure."""
+    """Build `out` (atomically: concurrent processes never see a half-written file): each source to an object,
+    as many at once as this process has cores (step.c and step_qt.c take most of the time, about as long each),
+    then one link. The compiler's complaint on failure."""
     try:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            res = subprocess.run([*cc, *flags, *map(str, src), "-o", str(tmp_out), "-lm"],
-                                 capture_output=True, text=True)
-            if res.returncode != 0:
-                return res.stderr[-500:] or f"{cc[0]} exited with {res.returncode}"
-            os.replace(tmp_out, out)
+            objs = [Path(tmp) / f"{s.stem}.o" for s in src]
+            with ThreadPoolExecutor(max_workers=min(_cores(), len(src))) as pool:
+                runs = list(pool.map(lambda so: subprocess.run([*cc, *flags, "-c", str(so[0]), "-o", str(so[1])],
+                                                               capture_output=True, text=True), zip(src, objs)))
+            failed = next((r for r in runs if r.returncode != 0), None)
+            if failed is None:
+                tmp_out = Path(tmp) / out.name
+                failed = subprocess.run([*cc, *flags, *map(str, objs), "-o", str(tmp_out), "-lm"],
+                                        capture_output=True, text=True)
+                if failed.returncode == 0:
+                    os.replace(tmp_out, out)
+                    return None
+            return failed.stderr[-500:] or f"{cc[0]} exited with {failed.returncode}"
     except OSError as e:   # $CC names no program, the disk is full, ...
         return str(e)
-    return None
 
 
 def _build(cc: list[str]) -> ctypes.CDLL | None:
@@ -143,10 +164,10 @@ def _build(cc: list[str]) -> ctypes.CDLL | None:
             warnings.warn("native CPU kernels unavailable, using torch: no writable folder for them "
                           f"({', '.join(map(str, dirs))}; set SLIPSTREAM_CACHE)")
             return None
-        # a first run in a terminal (`make chat`) would otherwise sit silent meanwhile (step.c alone compiles in
-        # about a minute on the Xeons, 4.6 minutes on the Zen 3 EPYC)
+        # a first run in a terminal (`make chat`) would otherwise sit silent meanwhile (the build takes 52 s on the
+        # 2-core Zen 3 EPYC, step.c and step_qt.c side by side; up to 4.6 minutes on a busy host)
         if sys.stderr.isatty():
-            print("slipstream: building the native CPU kernels for this CPU, once: one to five minutes",
+            print("slipstream: building the native CPU kernels for this CPU, once: one to four minutes",
                   file=sys.stderr, flush=True)
         for i, flags in enumerate(ladder):
             failed = _compile(cc, flags, src, where / name(i))

@@ -44,6 +44,9 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
+// A mutable setting that more than one of the library's units reads (step.c, step_qt.c): one definition shared by
+// all (weak: the header that holds it is included by each), hidden from the library's exports
+#define SS_SHARED __attribute__((weak, visibility("hidden")))
 // Loops over the activation rows are unrolled in full, so each row's accumulator stays in a register:
 // inside the step's large product function GCC otherwise kept them in a stack array, a load and a
 // store per update (seen with perf annotate: the hottest instruction of the batch-8 step).

@@ -28,131 +28,7 @@
 #include <omp.h>
 #endif
 
-#include "amx.h"
-#include "ops.h"
-#include "qtypes.h"
-
-// -- what Python passes (mirrored by ctypes structures in runtime/cpu_team.py) ---------------------
-enum { KIND_F32 = 0, KIND_Q4 = 4, KIND_Q8 = 8, KIND_QT = 16 };
-
-// A weight matrix. Matrices of different kinds stacked by rows (a fused QKV whose V is stored in
-// another type) are a chain: rows past `n` belong to `next`.
-typedef struct SSMat {
-    const void *q;          // codes (fp32 values for KIND_F32, ggml blocks row by row for KIND_QT)
-    const float *scale;     // [N][K/32] (q4, q8); q4 of qtype Q4_K6: the 6-bit scales, uint8 [N][K/32]
-    const float *min;       // [N][K/32] (q4); Q4_K6: the 6-bit mins, uint8 [N][K/32]
-    const float *bias;      // [N] or NULL
-    int32_t kind, n, k, qtype;   // qtype: the ggml type of KIND_QT blocks; q4/q8: how the scales are stored (Q4_*)
-    const struct SSMat *next;
-    const void *scale_t, *min_t; // q4, q8 on AVX-512 VNNI machines: scale and min as [N/16][K/32][16] (NULL: none)
-    int32_t tile_k, pad;         // 1: scale_t/min_t hold a Q4_K matrix's compact form instead (amx.h, tile_scales)
-    const uint16_t *kdm;         // Q4_K6: the super-blocks' fp16 d and dmin, [N][K/256][2]
-} SSMat;
-// q4/q8 scale storage (SSMat.qtype): fp32 planes, fp16 planes (QT_F16), or a Q4_K matrix's 6-bit scales and
-// mins with their super-blocks' d and dmin (widened a row at a time to the planes' values: ss_k6_row)
-enum { Q4_PLANES = 0, Q4_K6 = 2 };
-
-// A mixture-of-experts FFN (Qwen2-MoE, Qwen3-MoE): p = softmax(router h), the top k kept (renormalised to sum
-// 1 when norm_topk), y = sum_k p_k down_e(silu(gate_e h) * up_e h) [+ sigmoid(shared_gate h) shared(h)].
-typedef struct SSMoe {
-    SSMat router;                         // [E][hidden]
-    SSMat shared_gate_up, shared_down;    // [2 Fs][hidden], [hidden][Fs] (n == 0: no shared expert)
-    SSMat shared_gate;                    // [1][hidden]
-    const SSMat *gate_up, *down;          // [E] each: [2 F][hidden] (gate rows, then up rows), [hidden][F]
-    int32_t experts, topk, ffn, shared_ffn, norm_topk, pad;
-} SSMoe;
-
-typedef struct {
-    SSMat qkv, o, gate_up, down;
-    const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
-    void *kcache, *vcache;    // [slots][KVH][D], fp32 or (kv_f16) IEEE fp16 elements
-    // Gemma: RMSNorms of the attention and MLP outputs before their residual adds (NULL: none)
-    const float *post_attn_norm, *post_ffn_norm;
-    int32_t window;           // sliding-window layer: a row sees its last `window` positions (0: all)
-    int32_t rope_local;       // this layer rotates with the step's local RoPE tables
-    int32_t kv_f16;           // the cache holds fp16 (K and V rounded when stored, widened when read)
-    int32_t local_slots;      // the cache is addressed through the step's local slots (Gemma's hybrid cache)
-    const SSMoe *moe;         // a mixture-of-experts FFN instead of gate_up/down (NULL: dense)
-} SSLayer;
-
-typedef struct {
-    int32_t n_layers, hidden, heads, kv_heads, head_dim, ffn, vocab;
-    int32_t act;              // the GLU's gate: ACT_SILU or ACT_GELU_TANH
-    float eps, attn_scale;
-    const SSLayer *layers;
-    SSMat embed, lm_head;
-    const float *norm;
-    float embed_scale;        // the embedding is multiplied by it (Gemma: sqrt(hidden)); 0: not scaled
-    int32_t rotary;           // dims of each head that rotate (the leading ones; Phi-3's partial rotary)
-    float attn_softcap, final_softcap;   // Gemma 2: cap * tanh(x / cap) of attention scores, of logits (0: none)
-    int32_t pad;
-} SSModel;
-
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-
-// An activation: fp32 rows and, for the fast path, their int8 codes, per-group scales and sums.
-// In the exact path `s` holds plain per-group sums of the fp32 values (the 4-bit min term).
-typedef struct {
-    float *f;
-    int8_t *q;
-    float *d, *s;
-    int8_t *p;   // [rows][K] the codes paired for the AVX2 q4 product (ss_pair_groups; NULL: none)
-    float *e;    // [rows][4 K/32] the scales d, each four times, for the same product (with p)
-    int16_t *h;  // [rows][K/16] the codes' sums per 16 (Q6_K's 8-row product), or NULL: made where needed
-} SSAct;
-
-typedef struct {
-    int32_t rows, pad;
-    const int64_t *tokens;       // [rows]
-    const int64_t *write_slots;  // [rows]
-    const int64_t *read_slots;   // every row's context slots, concatenated
-    const int64_t *starts;       // [rows + 1] into read_slots
-    const float *cos, *sin;      // [rows][rotary / 2]
-    float *x;                    // [rows][hidden] residual stream
-    SSAct h;                     // [rows][hidden] normalised
-    float *qkv;                  // [rows][(H + 2 KVH) D]
-    SSAct attn;                  // [rows][H D]
-    SSAct act;                   // [rows][F]
-    float *logits;               // [rows][vocab]
-    int64_t *next_tokens;        // [n_out] greedy tokens (OP_ARGMAX)
-    int32_t n_out, pad2;         // rows whose logits are wanted (final norm, LM head, argmax)
-    const int64_t *out_rows;     // [n_out] which rows, in output order
-    const float *cos_local, *sin_local;   // [rows][rotary / 2] the sliding layers' RoPE tables (NULL: none)
-    float *tmp;                  // [rows][hidden] O and DOWN outputs before their post-norms (Gemma)
-    // mixture-of-experts layers (unused by dense models); one set, reused layer after layer
-    float *router;               // [rows][E] router logits
-    float *sgate;                // [rows] the shared expert's sigmoid gate
-    int32_t *moe_idx;            // n_active, active[E] (ascending), off[E + 1] into the pairs, pair_row[rows * k]
-    float *pair_w;               // [rows * k] each (expert, row) pair's routing weight, pairs grouped by expert
-    SSAct hx;                    // [rows * k][hidden] h's rows in pair order (each expert's rows contiguous)
-    SSAct eact;                  // [rows * k][F] the experts' GLU outputs, in pair order
-    SSAct sact;                  // [rows][Fs] the shared expert's GLU output
-    // a hybrid cache (Gemma 2/3): write_slots and read_slots as the sliding layers' parts hold them
-    const int64_t *write_slots_local, *read_slots_local;
-} SSStep;
-
-typedef struct {
-    int32_t op, layer, t0, t1, wait_ev, wait_count, sig_ev, aux;
-} SSTask;
-
-enum {
-    OP_EMBED = 0,     // row t0: x = embedding of its token
-    OP_NORM = 1,      // rows t0..t1: h = RMSNorm(x) (aux: 0 attn, 1 ffn, 2 final: output rows, h[i] from x[out_rows[i]])
-    OP_QKV = 2,       // heads t0..t1 of the fused QKV rows: product, bias, q/k norm, RoPE, KV store
-    OP_ATTN = 3,      // row t0, KV head t1: attention of its query heads over the row's context (aux: task j |
-                      // tasks << 8: a long context's parts are shared by the tasks; see attention())
-    OP_PREP = 4,      // row t0: quantize attn (when the head size is not a multiple of 32)
-    OP_O = 5,         // rows t0..t1 of Wo: x += attn Wo^T
-    OP_GATE_UP = 6,   // act columns t0..t1: act = silu(h Wg^T) * (h Wu^T), quantized
-    OP_DOWN = 7,      // rows t0..t1 of Wdown: x += act Wdown^T
-    OP_LM_HEAD = 8,   // vocabulary rows t0..t1: logits = h Wlm^T (output rows)
-    OP_ARGMAX = 9,    // output row t0: next token = argmax(logits) (lowest index on ties)
-    OP_POST = 10,     // rows t0..t1: x += RMSNorm(tmp) (aux: 0 after attention, 1 after the MLP)
-    OP_ROUTE = 11,    // all rows: router logits, softmax, top k (+ renormalisation), shared gate; pairs by expert
-    OP_EXPERT_GU = 12,   // columns t0..t1 of the aux-th active expert: eact = silu(h We_g^T) * (h We_u^T) of its rows
-    OP_SHARED_GU = 13,   // columns t0..t1 of the shared expert: sact = silu(h Ws_g^T) * (h Ws_u^T)
-    OP_MOE_DOWN = 14,    // hidden rows t0..t1: x += sum over active experts of w * (eact We_d^T) [+ gate * sact Ws_d^T]
-};
+#include "step.h"
 
 // -- products over a tile of weight rows -------------------------------------------------------------
 // Weight rows are prefetched into L2 this many bytes ahead of the row being multiplied (within the
@@ -202,11 +78,6 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
     }
 }
 
-#if defined(__F16C__)
-#define F16C_BUILD 1
-#else
-#define F16C_BUILD 0
-#endif
 // ss_set_rows8: bit 0 the q4 products, bit 1 the q8 ones, bit 2 Q6_K's (and the per-16 IQ planes'), bit 3 Q5_K's, bit 4 Q5_0's and Q5_1's, bit 5
 // IQ4_NL's and IQ4_XS's; a kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B).
 // Batch 1 comes first, so a bit is on by default only where its 8-row kernel costs nothing there (step_ab.py on
@@ -223,20 +94,12 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 #else
 #define SS_ROWS8_DEFAULT 15
 #endif
-static int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
+int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
 // SLIPSTREAM_ROWS8 at load: 0 the one-row kernels for every kind; a number, that ss_set_rows8 mask (A/B runs)
 __attribute__((constructor)) static void rows8_default(void) {
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] >= '0' && env[0] <= '9') rows8_usable = SS_ROWS8 ? atoi(env) & 63 : 0;
 }
-// whether m's products run on the 8-row kernels now: its kind's ss_set_rows8 bit is on
-static inline int rows8_on(const SSMat *m) {
-    const int bit = m->kind == KIND_Q4 ? 1 : m->kind == KIND_Q8 ? 2 : m->kind != KIND_QT ? 0
-                  : m->qtype == QT_R_Q6_K || qt_rb16(m->qtype) ? 4 : m->qtype == QT_R_Q5_K ? 8 : qt_rb_q5(m->qtype) ? 16
-                  : qt_rb_iq4(m->qtype) ? 32 : 0;
-    return (rows8_usable & bit) != 0;
-}
-
 // Into L2, once per 16 rows: the tile-ordered scales (and mins) of the block of 16 that holds row nx, `len`
 // bytes per block (the 8-row kernels prefetch the block pf_rows ahead of the one they multiply)
 static inline void rows8_prefetch_tiles(const SSMat *m, int64_t nx, int64_t len) {
@@ -248,31 +111,7 @@ static inline void rows8_prefetch_tiles(const SSMat *m, int64_t nx, int64_t len)
     }
 }
 
-// y[b * ystride + n + r] (=|+=) out[b]'s lane r (+ bias[n + r]) for the block's `live` rows
-static inline void rows8_store(const SSMat *m, const __m256 *out, int nb, int n, int live, float *y, int ystride,
-                               int accumulate) {
-    for (int b = 0; b < nb; b++) {
-        _Alignas(32) float v[8];
-        _mm256_store_ps(v, out[b]);
-        float *yo = y + (int64_t)b * ystride + n;
-        for (int r = 0; r < live; r++) {
-            const float t = m->bias ? v[r] + m->bias[n + r] : v[r];
-            yo[r] = accumulate ? yo[r] + t : t;
-        }
-    }
-}
 
-#if defined(SS_TWIN)
-// rows8_store for the 16-row kernels' blocks: lanes 0-7 of out[b], then 8-15 for the block's rows past 8
-static inline void rows16_store(const SSMat *m, const __m512 *out, int nb, int n, int live, float *y, int ystride,
-                                int accumulate) {
-    __m256 lo[MAX_ROWS], hi[MAX_ROWS];
-    for (int b = 0; b < nb; b++) lo[b] = _mm512_castps512_ps256(out[b]),
-                                 hi[b] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[b]), 1));   // AVX512F
-    rows8_store(m, lo, nb, n, live < 8 ? live : 8, y, ystride, accumulate);
-    if (live > 8) rows8_store(m, hi, nb, n + 8, live - 8, y, ystride, accumulate);
-}
-#endif
 
 // Rows [n0, n1) of a q4 matrix (fp32 or fp16 scales) on the fast path, 8 weight rows at a time (simd.h,
 // q4i_rows8), against up to MAX_ROWS activation rows
@@ -450,162 +289,6 @@ __attribute__((noinline)) static void q_rows(const SSMat *m, int n0, int n1, int
 #undef QR_PREFETCH
 }
 
-#if defined(SS_AVX2)
-// Rows [n0, n1) of a re-blocked Q6_K matrix (t: QT_R_Q6_K), or of the per-16 IQ planes (t: QT_R_IQ2_XS for those
-// without minimums, QT_R_Q2_K), on the fast path, 8 weight rows at a time (qtypes.h qt_rb6_rows8); one function per
-// t below (a shared one made the Q6_K kernel's batch-8 rate 0.67-0.85x, kernel_rate.py)
-AI void rb6_rows_t(const int t, const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y, int ystride,
-                   int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k, iq = qt_rb16(t);
-    const QTValues *kvt = qt_kv(m->qtype);
-    const int16_t *xh = x->h;
-    if (!xh) {   // a decode task's rows: summed here, once for the task's weight rows
-        int16_t *t = alloca(sizeof(int16_t) * (size_t)nb * (K / 16));
-        qt_code_sums16(x->q, K, nb, t);
-        xh = t;
-    }
-    int n = n0;
-#if defined(SS_TWIN)
-    // the per-16 IQ planes: 16 weight rows at a time from iq16_from_rows activation rows on (the same bits as 8 at a
-    // time: qt_rb16_rows16)
-    if (iq && nb >= iq16_from_rows && twin_usable)
-        for (; n + 8 < n1; n += 16) {
-            const int live = n1 - n < 16 ? n1 - n : 16;
-            const uint8_t *w[16];
-            for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
-            const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
-            __m512 out[MAX_ROWS];
-#define R16(NB) qt_rb16_rows16(t, kvt, w, K, x->q, x->d, xh, NB, pf, 16 * row_bytes / (K / 32), out);
-            SS_BY_ROWS(nb, R16)
-#undef R16
-            rows16_store(m, out, nb, n, live, y, ystride, accumulate);
-        }
-#endif
-    for (; n < n1; n += 8) {
-        const int live = n1 - n < 8 ? n1 - n : 8;
-        const uint8_t *w[8];
-        for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
-        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
-        __m256 out[MAX_ROWS];
-#define Q6I(NB) qt_rb6_rows8(t, kvt, w, K, x->q, x->d, xh, NB, pf, out);
-        SS_BY_ROWS(nb, Q6I)
-#undef Q6I
-        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
-    }
-}
-#define RB6_ROWS(NAME, T)                                                                                            \
-    __attribute__((noinline)) static void NAME(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,     \
-                                               int ystride, int accumulate, int pf_rows, int64_t row_bytes) {        \
-        rb6_rows_t(T, m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);                                 \
-    }
-RB6_ROWS(q6i_rows, QT_R_Q6_K)
-RB6_ROWS(q16i_rows, QT_R_IQ2_XS)
-RB6_ROWS(q2i_rows, QT_R_Q2_K)
-#undef RB6_ROWS
-
-// Rows [n0, n1) of a re-blocked Q5_0, Q5_1, Q5_K, IQ4_NL or IQ4_XS matrix on the fast path, 8 weight rows at a time
-// (qt_rb5_rows8, qt_rbnl_rows8)
-__attribute__((noinline)) static void q5i_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
-                                              int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k, t = qt_rb_layout(m->qtype);
-    const QTValues *kvt = qt_kv(m->qtype);
-    int n = n0;
-#if defined(SS_TWIN)
-    // IQ4 layouts: 16 weight rows at a time from iq16_from_rows activation rows on (the same bits as 8 at a time:
-    // qt_rbnl_rows16)
-    if (qt_rb_iq4(t) && nb >= iq16_from_rows && twin_usable)
-        for (; n + 8 < n1; n += 16) {
-            const int live = n1 - n < 16 ? n1 - n : 16;
-            const uint8_t *w[16];
-            for (int r = 0; r < 16; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
-            const char *pf = pf_rows && n + pf_rows + 16 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
-            __m512 out[MAX_ROWS];
-#define NL16(NB) qt_rbnl_rows16(t, kvt, w, K, x->q, x->d, x->s, NB, pf, 16 * row_bytes / (K / 32), out);
-            SS_BY_ROWS(nb, NL16)
-#undef NL16
-            rows16_store(m, out, nb, n, live, y, ystride, accumulate);
-        }
-#endif
-    for (; n < n1; n += 8) {
-        const int live = n1 - n < 8 ? n1 - n : 8;
-        const uint8_t *w[8];
-        for (int r = 0; r < 8; r++) w[r] = (const uint8_t *)m->q + (int64_t)(n + (r < live ? r : live - 1)) * row_bytes;
-        const char *pf = pf_rows && n + pf_rows + 8 <= m->n ? (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes : NULL;
-        const int64_t pf_group = 8 * row_bytes / (K / 32);
-        __m256 out[MAX_ROWS];
-#define Q5I(NB)                                                                                       \
-        if (t == QT_R_Q5_0) qt_rb5_rows8(QT_R_Q5_0, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);  \
-        else if (t == QT_R_Q5_1) qt_rb5_rows8(QT_R_Q5_1, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else if (t == QT_R_Q5_K) qt_rb5_rows8(QT_R_Q5_K, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else if (t == QT_R_IQ4_NL) qt_rbnl_rows8(QT_R_IQ4_NL, kvt, w, K, x->q, x->d, x->s, NB, pf, pf_group, out); \
-        else qt_rbnl_rows8(QT_R_IQ4_XS, kvt, w, K, x->q, x->d, x->s, NB, pf, pf_group, out);
-        SS_BY_ROWS(nb, Q5I)
-#undef Q5I
-        rows8_store(m, out, nb, n, live, y, ystride, accumulate);
-    }
-}
-
-// Rows [n0, n1) of a re-blocked matrix (QT_R_Q5_0, _Q5_1, _Q5_K, _IQ4_NL, _IQ4_XS, _Q6_K) on the fast path,
-// up to MAX_ROWS activation rows: as q_rows, one loop nest per (type, row count) in a function of
-// its own, instead of a call of qt_q8_row per weight row. Returns 0 for the other types.
-__attribute__((noinline)) static int qt_rows(const SSMat *m, int n0, int n1, int nb, const SSAct *x, float *y,
-                                             int ystride, int accumulate, int pf_rows, int64_t row_bytes) {
-    const int K = m->k;
-    const int8_t *xq = x->q;
-    const float *xd = x->d, *xs = x->s;
-#define QTR_NEST(NB, ROW)                                                                          \
-    for (int n = n0; n < n1; n++) {                                                                 \
-        float out[MAX_ROWS];                                                                        \
-        const uint8_t *w = (const uint8_t *)m->q + (int64_t)n * row_bytes;                          \
-        if (pf_rows && n + pf_rows < m->n) {                                                        \
-            const char *c = (const char *)m->q + (int64_t)(n + pf_rows) * row_bytes;                \
-            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(c + o, 0, 2);           \
-        }                                                                                           \
-        ROW;                                                                                        \
-        for (int b = 0; b < (NB); b++) {                                                            \
-            float *yo = y + (int64_t)b * ystride + n;                                               \
-            const float v = m->bias ? out[b] + m->bias[n] : out[b];                                 \
-            *yo = accumulate ? *yo + v : v;                                                         \
-        }                                                                                           \
-    }
-#define QTR_LOOP(NB) QTR_NEST(NB, qt_rb_q8_row(T_, kvt, w, K, xq, xd, xs, NB, out))
-#define QTR6_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_Q6_K, kvt, w, K, xq, xd, NB, out))
-#define QTR16_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_IQ2_XS, kvt, w, K, xq, xd, NB, out))
-#define QTR2_LOOP(NB) QTR_NEST(NB, qt_rb6_q8_row(QT_R_Q2_K, kvt, w, K, xq, xd, NB, out))
-#define QTR_CASE(T) case T: { enum { T_ = T }; SS_BY_ROWS(nb, QTR_LOOP) } return 1;
-    const int layout = qt_rb_layout(m->qtype);
-    const QTValues *kvt = qt_kv(m->qtype);
-    if ((qt_rb_q5(layout) || qt_rb_iq4(layout)) && rows8_on(m)) {
-        q5i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
-        return 1;
-    }
-    switch (layout) {
-    QTR_CASE(QT_R_Q5_0) QTR_CASE(QT_R_Q5_1) QTR_CASE(QT_R_IQ4_NL) QTR_CASE(QT_R_IQ4_XS) QTR_CASE(QT_R_Q5_K)
-    case QT_R_Q6_K:
-        if (rows8_on(m)) {
-            q6i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
-            return 1;
-        }
-        SS_BY_ROWS(nb, QTR6_LOOP)
-        return 1;
-    case QT_R_IQ2_XS: case QT_R_IQ2_S: case QT_R_IQ1_M: case QT_R_Q3_K: case QT_R_Q2_K:
-        if (rows8_on(m)) {
-            if (m->qtype == QT_R_Q2_K) q2i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
-            else q16i_rows(m, n0, n1, nb, x, y, ystride, accumulate, pf_rows, row_bytes);
-            return 1;
-        }
-        if (m->qtype == QT_R_Q2_K) { SS_BY_ROWS(nb, QTR2_LOOP) } else { SS_BY_ROWS(nb, QTR16_LOOP) }
-        return 1;
-    default: return 0;
-    }
-#undef QTR_CASE
-#undef QTR16_LOOP
-#undef QTR2_LOOP
-#undef QTR6_LOOP
-#undef QTR_LOOP
-#undef QTR_NEST
-}
-#endif
 
 // `a` advanced by `r` rows of K columns (a view of an activation's rows r..)
 static SSAct act_rows(const SSAct *a, int64_t r, int K) {
