@@ -14,7 +14,6 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --batch 8 --setting twin-rows --prefetch 9 2   # 8-row kernels / 512-bit twin
     python benchmarks/step_ab.py --model IQ4_XS.gguf --batch 8 --setting iq16-rows --prefetch 9 2
                                        # the IQ types' products 8 weight rows at a time / 16 from 2 rows on
-    python benchmarks/step_ab.py --setting split --prefetch 0 1    # products in place / split (step.c)
     SLIPSTREAM_MARCH=x86-64-v3 python benchmarks/step_ab.py --batch 8 --setting rows8 --prefetch 0 1 3
                                        # AVX2 products one weight row at a time / q4 8 at a time / q4 and q8
     python benchmarks/step_ab.py --batch 8 --kv-cache-dtype fp32          # the KV cache's element type (run
@@ -38,7 +37,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prompt chunk of this many tokens (after --context) instead of a decode step")
     settings = ["prefetch", "wait-prefetch", "attn-prefetch", "amx", "twin", "rows8", "twin-rows", "twin16",
-                "iq16-rows", "split", "steal"]
+                "iq16-rows"]
     ap.add_argument("--setting", choices=settings, default="prefetch",
                     help="what --prefetch's values set: the weight-prefetch distance (ss_set_prefetch), the "
                          "bytes a waiting task prefetches of its weights (ss_set_wait_prefetch), or the cache "
@@ -90,16 +89,14 @@ def main() -> None:
                 {"prefetch": lib.ss_set_prefetch, "wait-prefetch": lib.ss_set_wait_prefetch,
                  "attn-prefetch": lib.ss_set_attn_prefetch, "amx": lib.ss_set_amx, "twin": lib.ss_set_twin,
                  "rows8": lib.ss_set_rows8, "twin-rows": lib.ss_set_twin_rows,
-                 "twin16": lib.ss_set_twin16, "iq16-rows": lib.ss_set_iq16_rows, "split": lib.ss_set_split,
-                 "steal": lambda us: lib.ss_set_steal(us, 3)}[args.setting](v)
+                 "twin16": lib.ss_set_twin16, "iq16-rows": lib.ss_set_iq16_rows}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
-        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows", "twin16", "iq16-rows", "split")
-        unit = "" if unitless else " us" if args.setting == "steal" else " B"
-        label = "default" if v is None else f"{args.setting} {v}{unit}"
+        unitless = args.setting in ("amx", "twin", "rows8", "twin-rows", "twin16", "iq16-rows")
+        label = "default" if v is None else f"{args.setting} {v}" + ("" if unitless else " B")
         print(f"{label}: step median {med * 1e3:.2f} ms, min {min(times[v]) * 1e3:.2f} ms, "
               f"{args.batch / med:.1f} tok/s, {med / base:.3f}x the first")
 

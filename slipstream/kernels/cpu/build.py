@@ -233,9 +233,6 @@ def load_library() -> ctypes.CDLL | None:
         "ss_rows8": [],
         "ss_set_wait_prefetch": [i32],
         "ss_set_attn_prefetch": [i32],
-        "ss_set_split": [i32],
-        "ss_set_steal": [i32, i32],
-        "ss_steals": [],
         "ss_qt_unpack": [i32, vp, i32, i32, i32, vp, vp, vp],
         "ss_qt_dequant": [i32, vp, i32, i32, i32, vp],
         "ss_qt_dequant_bf16": [i32, vp, i32, i32, i32, vp],
@@ -259,7 +256,6 @@ def load_library() -> ctypes.CDLL | None:
     lib.ss_set_twin16.restype = i32
     lib.ss_rows8.restype = i32
     lib.ss_iq_grids_ready.restype = i32
-    lib.ss_steals.restype = ctypes.c_int64
     lib.ss_isa.argtypes = []
     lib.ss_isa.restype = ctypes.c_char_p
     return lib

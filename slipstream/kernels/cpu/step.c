@@ -8,8 +8,7 @@
 // There is no fork/join barrier between operators: a thread that finishes its part of the QKV product
 // moves straight on to attention heads whose inputs are ready. Waiting spins briefly and then sleeps on
 // a futex, so a neighbour process that takes a core slows the step down instead of stalling it: the
-// threads that run keep taking tickets, and take over the product tasks of a thread the OS has preempted
-// (split tasks, "taking over tasks" below).
+// threads that run keep taking tickets.
 //
 // Buffers, weights and the KV cache are owned by Python (torch tensors); this file owns only the
 // threads and a per-thread scratch for attention scores.
@@ -816,30 +815,6 @@ static float *gu_scratch(size_t floats) {
     return gu_buf;
 }
 
-// act(gate) * up of nb rows' columns [c0, c1) (g, u: [nb][c1 - c0]) into out's rows b0.., quantized for the next
-// product
-static void glu_store(const SSModel *m, int F, int c0, int c1, int b0, int nb, const float *g, const float *u,
-                      SSAct *out, int exact) {
-    const int w = c1 - c0;
-    for (int b = 0; b < nb; b++) {
-        float *a = out->f + (int64_t)(b0 + b) * F;
-        if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + c0);
-        else ss_silu_mul(g + b * w, u + b * w, w, a + c0);
-        prepare(out, b0 + b, F, c0, c1, exact);
-    }
-}
-
-// the gate and up columns [c0, c1) of B rows of x into this thread's buffer (gate [B][w], then up [B][w]);
-// NULL without memory for it
-static float *glu_products(const SSMat *gu, int F, int c0, int c1, int B, const SSAct *x, int exact) {
-    const int w = c1 - c0;
-    float *g = gu_scratch((size_t)B * w * 2);
-    if (!g) return NULL;
-    mat_rows(gu, c0, c1, B, x, g - c0, w, 0, exact);
-    mat_rows(gu, F + c0, F + c1, B, x, g + (size_t)B * w - F - c0, w, 0, exact);
-    return g;
-}
-
 // columns [c0, c1) of a GLU: out rows = act(x W_gate^T) * (x W_up^T) over B rows of x (K = hidden wide), quantized
 // for the next product. The B rows' gate and up columns (a 512-token chunk of an 8192-wide FFN on 2 threads is
 // 16 MB, past a thread's stack: alloca'd it was a segfault) go to a per-thread buffer, grown on demand and kept;
@@ -847,19 +822,21 @@ static float *glu_products(const SSMat *gu, int F, int c0, int c1, int B, const 
 static void glu_cols(const SSModel *m, const SSMat *gu, int F, int c0, int c1, int B, const SSAct *x, SSAct *out,
                      int exact) {
     const int w = c1 - c0;
-    const float *g = glu_products(gu, F, c0, c1, B, x, exact);
-    if (g) {
-        glu_store(m, F, c0, c1, 0, B, g, g + (size_t)B * w, out, exact);
-        return;
-    }
-    const int rb = B < MAX_ROWS ? B : MAX_ROWS;
-    float *gb = (float *)alloca(sizeof(float) * (size_t)rb * w * 2), *ub = gb + (size_t)rb * w;
+    float *g = gu_scratch((size_t)B * w * 2);
+    const int rb = g ? B : B < MAX_ROWS ? B : MAX_ROWS;
+    if (!g) g = (float *)alloca(sizeof(float) * (size_t)rb * w * 2);
+    float *u = g + (size_t)rb * w;
     for (int b0 = 0; b0 < B; b0 += rb) {
         const int nb = B - b0 < rb ? B - b0 : rb;
         const SSAct xb = act_rows(x, b0, m->hidden);
-        mat_rows(gu, c0, c1, nb, &xb, gb - c0, w, 0, exact);
-        mat_rows(gu, F + c0, F + c1, nb, &xb, ub - F - c0, w, 0, exact);
-        glu_store(m, F, c0, c1, b0, nb, gb, ub, out, exact);
+        mat_rows(gu, c0, c1, nb, &xb, g - c0, w, 0, exact);
+        mat_rows(gu, F + c0, F + c1, nb, &xb, u - F - c0, w, 0, exact);
+        for (int b = 0; b < nb; b++) {
+            float *a = out->f + (int64_t)(b0 + b) * F;
+            if (m->act == ACT_GELU_TANH) ss_gelu_tanh_mul(g + b * w, u + b * w, w, a + c0);
+            else ss_silu_mul(g + b * w, u + b * w, w, a + c0);
+            prepare(out, b0 + b, F, c0, c1, exact);
+        }
     }
 }
 
@@ -1069,128 +1046,6 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
     }
 }
 
-// -- products computed apart from their results -----------------------------------------------------------
-// In steps of up to SPLIT_ROWS rows the product tasks (QKV, O, gate/up, down, LM head) run in two parts: the
-// products into the running thread's own buffer (split_compute), then their results into the step's buffers
-// (split_commit: the residual adds, the KV store, the GLU and its quantization). Only the first part takes
-// time, and it writes nothing shared, so two threads may both compute a task and exactly one commits it: what
-// lets a waiting thread take over a task from a thread the OS has preempted (the team, below). Each part does the
-// arithmetic of run_task's in-place path in the same order, so results do not depend on who ran what.
-#define SPLIT_ROWS 32
-static int split_on = 1;   // ss_set_split(0): run_task's in-place path for every task (A/B; no stealing then)
-void ss_set_split(int on) { split_on = on != 0; }
-__attribute__((constructor)) static void split_default(void) {
-    const char *env = getenv("SLIPSTREAM_SPLIT");
-    if (env && env[0] == '0') split_on = 0;
-}
-
-static int splittable(const SSStep *s, const SSTask *t) {
-    return split_on && s->rows <= SPLIT_ROWS &&
-           (t->op == OP_QKV || t->op == OP_O || t->op == OP_GATE_UP || t->op == OP_DOWN || t->op == OP_LM_HEAD);
-}
-
-// a thread's product outputs of a split task other than gate/up (which uses gu_scratch); NULL if out of memory
-static __thread float *pr_buf;
-static __thread size_t pr_cap;
-static float *pr_scratch(size_t floats) {
-    if (floats > pr_cap) {
-        free(pr_buf);
-        pr_buf = (float *)malloc(sizeof(float) * floats);
-        pr_cap = pr_buf ? floats : 0;
-    }
-    return pr_buf;
-}
-
-// the products of task t, [rows][its columns], in this thread's buffers; NULL without memory for them
-static float *split_compute(const SSModel *m, const SSStep *s, const SSTask *t, int exact) {
-    const int B = s->rows, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
-    const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
-    const int w = t->op == OP_QKV ? (t->t1 - t->t0) * D : t->t1 - t->t0;
-    switch (t->op) {
-    case OP_QKV: {
-        float *y = pr_scratch((size_t)B * w);
-        if (!y) return NULL;
-        mat_rows(&L->qkv, t->t0 * D, t->t1 * D, B, &s->h, y - t->t0 * D, w, 0, exact);
-        const int local = L->rope_local && s->cos_local;
-        for (int b = 0; b < B; b++) {
-            const float *cs = (local ? s->cos_local : s->cos) + (int64_t)b * (m->rotary / 2);
-            const float *sn = (local ? s->sin_local : s->sin) + (int64_t)b * (m->rotary / 2);
-            for (int hd = t->t0; hd < t->t1 && hd < H + KVH; hd++) {
-                float *v = y + (int64_t)b * w + (hd - t->t0) * D;
-                const float *nw = hd < H ? L->q_norm : L->k_norm;
-                if (nw) ss_rmsnorm_row(v, nw, D, m->eps, v);
-                ss_rope_head(v, cs, sn, m->rotary);
-            }
-        }
-        return y;
-    }
-    case OP_O:
-    case OP_DOWN: {
-        float *y = pr_scratch((size_t)B * w);
-        if (!y) return NULL;
-        if (t->op == OP_O) mat_rows(&L->o, t->t0, t->t1, B, &s->attn, y - t->t0, w, 0, exact);
-        else mat_rows(&L->down, t->t0, t->t1, B, &s->act, y - t->t0, w, 0, exact);
-        return y;
-    }
-    case OP_GATE_UP:
-        return glu_products(&L->gate_up, m->ffn, t->t0, t->t1, B, &s->h, exact);
-    case OP_LM_HEAD: {
-        float *y = pr_scratch((size_t)s->n_out * w);
-        if (!y) return NULL;
-        mat_rows(&m->lm_head, t->t0, t->t1, s->n_out, &s->h, y - t->t0, w, 0, exact);
-        if (m->final_softcap > 0.f)
-            for (int64_t i = 0; i < (int64_t)s->n_out * w; i++) y[i] = m->final_softcap * tanhf(y[i] / m->final_softcap);
-        return y;
-    }
-    }
-    return NULL;
-}
-
-// task t's products y (split_compute) into the step's buffers
-static void split_commit(const SSModel *m, const SSStep *s, const SSTask *t, const float *y, int exact) {
-    const int B = s->rows, hid = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim;
-    const SSLayer *L = t->layer >= 0 ? &m->layers[t->layer] : NULL;
-    const int w = t->op == OP_QKV ? (t->t1 - t->t0) * D : t->t1 - t->t0;
-    switch (t->op) {
-    case OP_QKV: {
-        const int row = (H + 2 * KVH) * D;
-        for (int b = 0; b < B; b++) {
-            float *q = s->qkv + (int64_t)b * row + t->t0 * D;
-            memcpy(q, y + (int64_t)b * w, sizeof(float) * w);
-            const int64_t slot = (L->local_slots ? s->write_slots_local : s->write_slots)[b];
-            if (slot < 0) continue;
-            for (int hd = t->t0 < H ? H : t->t0; hd < t->t1; hd++) {
-                const float *v = q + (hd - t->t0) * D;
-                if (hd < H + KVH) ss_kv_store(L->kcache, L->kv_f16, slot, KVH, hd - H, D, v);
-                else ss_kv_store(L->vcache, L->kv_f16, slot, KVH, hd - H - KVH, D, v);
-            }
-        }
-        break;
-    }
-    case OP_O:
-    case OP_DOWN: {
-        const int post = t->op == OP_O ? L->post_attn_norm != NULL : L->post_ffn_norm != NULL;
-        for (int b = 0; b < B; b++) {
-            const float *yb = y + (int64_t)b * w;
-            if (post) {
-                memcpy(s->tmp + (int64_t)b * hid + t->t0, yb, sizeof(float) * w);
-            } else {
-                float *x = s->x + (int64_t)b * hid + t->t0;
-                for (int i = 0; i < w; i++) x[i] += yb[i];
-            }
-        }
-        break;
-    }
-    case OP_GATE_UP:
-        glu_store(m, m->ffn, t->t0, t->t1, 0, B, y, y + (size_t)B * w, (SSAct *)&s->act, exact);
-        break;
-    case OP_LM_HEAD:
-        for (int b = 0; b < s->n_out; b++)
-            memcpy(s->logits + (int64_t)b * m->vocab + t->t0, y + (int64_t)b * w, sizeof(float) * w);
-        break;
-    }
-}
-
 // -- the team ------------------------------------------------------------------------------------------
 #define MAX_THREADS 256
 
@@ -1222,9 +1077,8 @@ typedef struct {
     _Atomic uint32_t gen;          // futex word: a new step
     _Atomic uint32_t progress;     // futex word: an event was signalled while someone slept
     _Atomic int32_t sleepers;      // threads asleep on `progress`
-    _Alignas(64) _Atomic int32_t finished;   // tasks completed in this step
-    _Atomic int32_t active;        // threads inside a split task's execution (stale ones included)
-    _Alignas(64) _Atomic int32_t stop;
+    _Atomic int32_t finished;      // tasks completed in this step
+    _Atomic int32_t stop;
     int nthreads;                  // including the caller
     pthread_t threads[MAX_THREADS];
     int spin_wait, spin_idle;      // microseconds of spinning before sleeping (inside a step / between steps)
@@ -1274,245 +1128,38 @@ static void wait_at_least(_Atomic int32_t *v, int32_t count) {
     }
 }
 
-// -- taking over tasks ------------------------------------------------------------------------------
-// A busy neighbour process preempts our threads for whole scheduler slices (0.75-3 ms). A thread preempted in
-// the middle of a task held every thread that waited on that task's event until it ran again, so a team of two
-// beside a neighbour ran at the speed of its slowest thread's slices. Split tasks (split_compute) go through
-// phases in a per-task word (execution id << 3 | phase): a claimant moves it FREE -> CLAIM when it takes the
-// ticket, CLAIM -> RUN when its inputs are there, RUN -> COMMIT when its products are computed (then commits,
-// DONE, and signals). A thread waiting on an event takes over a task that signals it, by a compare-and-swap to
-// its own RUN, when the task is CLAIMed and its inputs have been ready for steal_min_us (its claimant is not
-// running: it would have started), or RUNs for longer than steal_min_us and steal_factor times the operator's
-// recent time per task. The execution that loses the race to COMMIT discards its products. Other tasks are
-// never taken over (they write the step's buffers as they go).
-enum { PH_FREE = 0, PH_CLAIM = 1, PH_RUN = 2, PH_COMMIT = 3, PH_DONE = 4 };
-static _Atomic uint64_t *task_state;   // per task of the step: execution id << 3 | phase
-static _Atomic int64_t *task_t0;       // per task: when it was claimed, then when its execution began (ns)
-static uint8_t *task_split;            // per task: splittable()
-static int32_t *ev_lo, *ev_hi;         // per event: the tasks that signal it lie in [lo, hi)
-static _Atomic int64_t *ev_t;          // per event: when it was last signalled (ns)
-static int task_cap, ev_cap;
-static _Atomic uint64_t exec_ids = 1;
-static _Atomic int64_t op_ns[N_OPS];   // an operator's recent time per task (ns)
-// SLIPSTREAM_STEAL=min_us,factor at load, or ss_set_steal; min_us < 0: never take tasks over
-static int steal_min_us = 200, steal_factor = 3;
-static _Atomic int64_t steal_count;
-__attribute__((constructor)) static void steal_default(void) {
-    const char *env = getenv("SLIPSTREAM_STEAL");
-    if (env && *env) {
-        steal_min_us = atoi(env);
-        const char *c = strchr(env, ',');
-        if (c) steal_factor = atoi(c + 1);
-    }
-}
-void ss_set_steal(int min_us, int factor) {
-    steal_min_us = min_us;
-    steal_factor = factor > 0 ? factor : 0;
-}
-// tasks taken over since the library was loaded
-int64_t ss_steals(void) { return atomic_load(&steal_count); }
-
-static int tables_ok;   // this step's tables were allocated (else every task runs in place)
-static inline int stealing(void) { return steal_min_us >= 0 && T.nthreads > 1 && tables_ok; }
-#define TICKET_CLOSED 0xffffffffu   // the ticket's index once a step has ended
-
-static void signal_done(const SSTask *t) {
-    if (t->sig_ev >= 0) {
-        atomic_store_explicit(&ev_t[t->sig_ev], now_ns(), memory_order_relaxed);
-        atomic_fetch_add(&T.events[t->sig_ev], 1);
-    }
-    atomic_fetch_add(&T.finished, 1);
-    wake_sleepers();
-}
-
-// execution `id` of split task i, whose state this thread has just set to id's RUN: compute, then commit if no
-// other execution has
-static void execute_split(int i, const SSTask *t, uint64_t id) {
-    const int64_t t1 = now_ns();
-    float *y = split_compute(T.model, T.step, t, T.exact);
-    uint64_t run = id << 3 | PH_RUN;
-    if (!atomic_compare_exchange_strong(&task_state[i], &run, id << 3 | PH_COMMIT)) return;   // another committed
-    if (y) split_commit(T.model, T.step, t, y, T.exact);
-    else run_task(T.model, T.step, t, T.exact);   // no memory for the products: in place (this one holds COMMIT)
-    const int64_t d = now_ns() - t1, o = atomic_load_explicit(&op_ns[t->op], memory_order_relaxed);
-    atomic_store_explicit(&op_ns[t->op], o ? (3 * o + d) / 4 : d, memory_order_relaxed);
-    if (prof_on) {
-        atomic_fetch_add(&prof_busy[t->op], d);
-        atomic_fetch_add(&prof_count[t->op], 1);
-    }
-    atomic_store(&task_state[i], id << 3 | PH_DONE);
-    signal_done(t);
-}
-
-// Take over one task that signals event ev (-1: any task) if one is due; 1 if this thread ran one. *next: the
-// earliest time a task seen here becomes due (unchanged if none).
-static int try_steal(int ev, int64_t *next) {
-    const int lo = ev >= 0 ? ev_lo[ev] : 0, hi = ev >= 0 ? ev_hi[ev] : T.n_tasks;
-    const int64_t now = now_ns(), min_ns = (int64_t)steal_min_us * 1000;
-    for (int i = lo; i < hi; i++) {
-        const SSTask *t = &T.tasks[i];
-        if (!task_split[i] || (ev >= 0 && t->sig_ev != ev)) continue;
-        uint64_t st = atomic_load(&task_state[i]);
-        const int64_t t0 = atomic_load_explicit(&task_t0[i], memory_order_relaxed);
-        int64_t due;
-        if ((st & 7) == PH_CLAIM) {
-            if (t->wait_ev >= 0 && atomic_load(&T.events[t->wait_ev]) < t->wait_count) continue;
-            const int64_t ready = t->wait_ev >= 0 ? atomic_load_explicit(&ev_t[t->wait_ev], memory_order_relaxed) : t0;
-            due = (ready > t0 ? ready : t0) + min_ns;
-        } else if ((st & 7) == PH_RUN) {
-            const int64_t typ = atomic_load_explicit(&op_ns[t->op], memory_order_relaxed);
-            const int64_t after = (typ ? typ : 1000000) * steal_factor;
-            due = t0 + (after > min_ns ? after : min_ns);
-        } else {
-            continue;
-        }
-        if (now < due) {
-            if (due < *next) *next = due;
-            continue;
-        }
-        const uint64_t id = atomic_fetch_add(&exec_ids, 1);
-        if (!atomic_compare_exchange_strong(&task_state[i], &st, id << 3 | PH_RUN)) continue;
-        atomic_store_explicit(&task_t0[i], now_ns(), memory_order_relaxed);
-        atomic_fetch_add(&steal_count, 1);
-        execute_split(i, t, id);
-        return 1;
-    }
-    return 0;
-}
-
-static void futex_wait_ns(_Atomic uint32_t *addr, uint32_t val, int64_t ns) {
-    if (ns < 0) {
-        futex_wait(addr, val);
-        return;
-    }
-    struct timespec ts = {.tv_sec = ns / 1000000000, .tv_nsec = ns % 1000000000};
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, &ts, NULL, 0);
-}
-
-// until *v >= count, taking over tasks that signal ev (-1: any) when they are due: spin, then sleep on
-// `progress` until the next task seen would be due
-static void wait_stealing(_Atomic int32_t *v, int32_t count, int ev) {
-    if (atomic_load_explicit(v, memory_order_acquire) >= count) return;
-    if (!stealing()) {
-        wait_at_least(v, count);
-        return;
-    }
-    const int64_t until = now_ns() + (int64_t)T.spin_wait * 1000;
-    for (int i = 1;; i++) {
-        cpu_relax();
-        if (atomic_load_explicit(v, memory_order_acquire) >= count) return;
-        if ((i & 31) == 0) {
-            int64_t next = INT64_MAX;
-            if (try_steal(ev, &next)) continue;
-            if (now_ns() > until) break;
-        }
-    }
-    for (;;) {
-        int64_t next = INT64_MAX;
-        if (try_steal(ev, &next)) {
-            if (atomic_load(v) >= count) return;
-            continue;
-        }
-        const uint32_t p = atomic_load(&T.progress);
-        atomic_fetch_add(&T.sleepers, 1);
-        if (atomic_load(v) >= count) {
-            atomic_fetch_sub(&T.sleepers, 1);
-            return;
-        }
-        const int64_t now = now_ns();
-        if (next == INT64_MAX || next > now) futex_wait_ns(&T.progress, p, next == INT64_MAX ? -1 : next - now);
-        atomic_fetch_sub(&T.sleepers, 1);
-        if (atomic_load(v) >= count) return;
-    }
-}
-
-// task i, whose ticket this thread took
-static void run_ticket(int i) {
-    const SSTask *t = &T.tasks[i];
-    const int64_t t0 = prof_on ? now_ns() : 0;
-    const int split = tables_ok && task_split[i];
-    uint64_t id = 0, st = PH_FREE;
-    if (split) {
-        id = atomic_fetch_add(&exec_ids, 1);
-        atomic_store_explicit(&task_t0[i], now_ns(), memory_order_relaxed);
-        if (!atomic_compare_exchange_strong(&task_state[i], &st, id << 3 | PH_CLAIM)) return;
-    }
-    if (t->wait_ev >= 0) {
-        if (wait_pf_bytes && atomic_load_explicit(&T.events[t->wait_ev], memory_order_relaxed) < t->wait_count)
-            prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count, !T.exact);
-        wait_stealing(&T.events[t->wait_ev], t->wait_count, t->wait_ev);
-    }
-    if (prof_on) atomic_fetch_add(&prof_wait[t->op], now_ns() - t0);
-    if (split) {
-        st = id << 3 | PH_CLAIM;
-        if (!atomic_compare_exchange_strong(&task_state[i], &st, id << 3 | PH_RUN)) return;   // taken over
-        atomic_store_explicit(&task_t0[i], now_ns(), memory_order_relaxed);
-        execute_split(i, t, id);
-        return;
-    }
-    const int64_t t1 = prof_on ? now_ns() : 0;
-    run_task(T.model, T.step, t, T.exact);
-    if (prof_on) {
-        atomic_fetch_add(&prof_busy[t->op], now_ns() - t1);
-        atomic_fetch_add(&prof_count[t->op], 1);
-    }
-    signal_done(t);
-}
-
 // take tickets of generation g until the table is exhausted
 static void work(uint32_t g) {
+    int32_t done = 0;
     for (;;) {
         uint64_t cur = atomic_load(&T.ticket);
-        // (unsigned: a closed ticket's index is TICKET_CLOSED)
-        if ((uint32_t)(cur >> 32) != g || (uint32_t)cur >= (uint32_t)T.n_tasks) break;
-        // counted before the ticket is taken: the step does not end while this thread may still read its buffers
-        atomic_fetch_add(&T.active, 1);
-        if (atomic_compare_exchange_weak(&T.ticket, &cur, cur + 1)) run_ticket((int)(uint32_t)cur);
-        atomic_fetch_sub(&T.active, 1);
-    }
-}
-
-// the per-task and per-event tables for a step of n tasks and e events; 0 without memory for them
-static int steal_tables(const SSTask *tasks, int n, int e) {
-    if (n > task_cap) {
-        free(task_state), free(task_t0), free(task_split);
-        task_state = malloc(sizeof(*task_state) * (size_t)n);
-        task_t0 = malloc(sizeof(*task_t0) * (size_t)n);
-        task_split = malloc((size_t)n);
-        task_cap = task_state && task_t0 && task_split ? n : 0;
-        if (!task_cap) return 0;
-    }
-    if (e > ev_cap) {
-        free(ev_lo), free(ev_hi), free(ev_t);
-        ev_lo = malloc(sizeof(int32_t) * (size_t)e);
-        ev_hi = malloc(sizeof(int32_t) * (size_t)e);
-        ev_t = malloc(sizeof(*ev_t) * (size_t)e);
-        ev_cap = ev_lo && ev_hi && ev_t ? e : 0;
-        if (!ev_cap) return 0;
-    }
-    for (int k = 0; k < e; k++) ev_lo[k] = n, ev_hi[k] = 0, atomic_store_explicit(&ev_t[k], 0, memory_order_relaxed);
-    for (int i = 0; i < n; i++) {
-        atomic_store_explicit(&task_state[i], PH_FREE, memory_order_relaxed);
-        atomic_store_explicit(&task_t0[i], 0, memory_order_relaxed);
-        task_split[i] = (uint8_t)splittable(T.step, &tasks[i]);
-        const int k = tasks[i].sig_ev;
-        if (k >= 0 && k < e) {
-            if (i < ev_lo[k]) ev_lo[k] = i;
-            if (i + 1 > ev_hi[k]) ev_hi[k] = i + 1;
+        if ((uint32_t)(cur >> 32) != g || (int32_t)(uint32_t)cur >= T.n_tasks) break;
+        if (!atomic_compare_exchange_weak(&T.ticket, &cur, cur + 1)) continue;
+        const SSTask *t = &T.tasks[(uint32_t)cur];
+        const int64_t t0 = prof_on ? now_ns() : 0;
+        if (t->wait_ev >= 0) {
+            if (wait_pf_bytes && 
+                atomic_load_explicit(&T.events[t->wait_ev], memory_order_relaxed) < t->wait_count)
+                prefetch_while_waiting(T.model, t, &T.events[t->wait_ev], t->wait_count, !T.exact);
+            wait_at_least(&T.events[t->wait_ev], t->wait_count);
         }
+        const int64_t t1 = prof_on ? now_ns() : 0;
+        run_task(T.model, T.step, t, T.exact);
+        if (prof_on) {
+            atomic_fetch_add(&prof_wait[t->op], t1 - t0);
+            atomic_fetch_add(&prof_busy[t->op], now_ns() - t1);
+            atomic_fetch_add(&prof_count[t->op], 1);
+        }
+        if (t->sig_ev >= 0) {
+            atomic_fetch_add(&T.events[t->sig_ev], 1);
+            wake_sleepers();
+        }
+        done++;
     }
-    return 1;
-}
-
-// A worker out of tickets: take over a task of step g if one is due (the thread that holds it may have been
-// preempted near the end of the step). Counted in `active` before it looks: the step's caller closes the ticket,
-// then waits for active threads, so one that finds the ticket open may read the step's tables.
-static void tail_steal(uint32_t g, int64_t *next) {
-    atomic_fetch_add(&T.active, 1);
-    const uint64_t cur = atomic_load(&T.ticket);
-    if ((uint32_t)(cur >> 32) == g && (uint32_t)cur != TICKET_CLOSED && atomic_load(&T.finished) < T.n_tasks)
-        try_steal(-1, next);
-    atomic_fetch_sub(&T.active, 1);
+    if (done) {
+        atomic_fetch_add(&T.finished, done);
+        wake_sleepers();
+    }
 }
 
 static void *worker_main(void *arg) {
@@ -1523,17 +1170,11 @@ static void *worker_main(void *arg) {
         int i = 0, spinning = 1;
         const int64_t until = now_ns() + (int64_t)T.spin_idle * 1000;
         while ((g = atomic_load_explicit(&T.gen, memory_order_acquire)) == seen && !atomic_load(&T.stop)) {
-            int64_t next = INT64_MAX;
             if (spinning) {
                 cpu_relax();
-                if ((++i & 255) == 0) {
-                    if (stealing()) tail_steal(seen, &next);
-                    if (now_ns() > until) spinning = 0;
-                }
+                if ((++i & 31) == 0 && now_ns() > until) spinning = 0;
             } else {
-                if (stealing()) tail_steal(seen, &next);
-                const int64_t now = now_ns();
-                futex_wait_ns(&T.gen, seen, next == INT64_MAX ? -1 : next > now ? next - now : 0);
+                futex_wait(&T.gen, seen);
             }
         }
         if (atomic_load(&T.stop)) break;
@@ -1611,21 +1252,13 @@ void ss_step(const SSModel *model, const SSStep *step, const SSTask *tasks, int 
     T.n_tasks = n_tasks;
     T.exact = exact;
     T.events = (_Atomic int32_t *)events;
-    tables_ok = steal_tables(tasks, n_tasks, n_events);   // without memory for them every task runs in place
     atomic_store(&T.finished, 0);
     const uint32_t g = atomic_load(&T.gen) + 1;
     atomic_store(&T.ticket, (uint64_t)g << 32);
     atomic_store_explicit(&T.gen, g, memory_order_release);
     if (T.nthreads > 1) futex_wake_all(&T.gen);
     work(g);
-    wait_stealing(&T.finished, n_tasks, -1);
-    // Executions that lost a task to another thread may still be computing from the step's buffers, which Python
-    // may reuse or free once this returns: close the step to newcomers (tail_steal, work), then wait for them.
-    atomic_store(&T.ticket, (uint64_t)g << 32 | TICKET_CLOSED);
-    for (int i = 1; atomic_load(&T.active) > 0; i++) {
-        if (i < 4096) cpu_relax();
-        else sched_yield();
-    }
+    wait_at_least(&T.finished, n_tasks);
     pthread_mutex_unlock(&T.lock);
 }
 
