@@ -14,6 +14,8 @@ alternately with PYTHONPATH pointing at each and compare the medians.
     python benchmarks/step_ab.py --batch 8 --setting twin-rows --prefetch 9 2   # 8-row kernels / 512-bit twin
     python benchmarks/step_ab.py --model IQ4_XS.gguf --batch 8 --setting iq16-rows --prefetch 9 2
                                        # the IQ types' products 8 weight rows at a time / 16 from 2 rows on
+    SLIPSTREAM_ADAPTIVE_THREADS=0 python benchmarks/step_ab.py --neighbour --setting wait-prefetch --prefetch 0 65536
+                                       # beside a busy process, the team at its size throughout
     SLIPSTREAM_MARCH=x86-64-v3 python benchmarks/step_ab.py --batch 8 --setting rows8 --prefetch 0 1 3
                                        # AVX2 products one weight row at a time / q4 8 at a time / q4 and q8
     python benchmarks/step_ab.py --batch 8 --kv-cache-dtype fp32          # the KV cache's element type (run
@@ -51,6 +53,9 @@ def main() -> None:
                          "products take 16 weight rows at a time (ss_set_iq16_rows: 9 never), or whether that "
                          "twin has lanes = weight rows (ss_set_twin16: 0 "
                          "the reducing twin, 1)")
+    ap.add_argument("--neighbour", action="store_true",
+                    help="time the steps beside a busy neighbour process (cpu_decode.py's 2-thread matrix multiply); "
+                         "SLIPSTREAM_ADAPTIVE_THREADS=0 keeps the team at its size beside it")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()
@@ -79,6 +84,10 @@ def main() -> None:
         dec.forward(chunk if chunk is not None else decode_step(seqs, tokens, pos), tokens_only=True)
         return time.perf_counter() - t
 
+    neighbour = None
+    if args.neighbour:
+        from cpu_decode import start_neighbour  # this folder is on sys.path when this file runs
+        neighbour = start_neighbour()
     for _ in range(5):
         step()
     values: list[int | None] = list(args.prefetch) or [None]
@@ -92,6 +101,9 @@ def main() -> None:
                  "twin16": lib.ss_set_twin16, "iq16-rows": lib.ss_set_iq16_rows}[args.setting](v)
             step()   # the first step after a change is not counted
             times[v] += [step() for _ in range(args.per)]
+    if neighbour is not None:
+        neighbour.kill()
+        neighbour.wait()
     base = statistics.median(times[values[0]])
     for v in values:
         med = statistics.median(times[v])
