@@ -43,6 +43,15 @@ __attribute__((constructor)) static void twin_default(void) {
     if (env && env[0] == '0') twin_usable = 0;
 }
 
+// AMD's CPU family by CPUID (0 on other vendors)
+static unsigned amd_family(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf;
+    return base == 0xf ? base + ((a >> 20) & 0xff) : base;
+}
 // Whether this CPU runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per cycle:
 // Zen 5's full-width vector units) rather than at half of it (one 512-bit port against two 256-bit ones on Sapphire
 // Rapids, double-pumped halves on Zen 4): AMD family 0x1A (Zen 5) and later, by CPUID. A timing probe at load (16
@@ -50,19 +59,15 @@ __attribute__((constructor)) static void twin_default(void) {
 // 1.08-2.73x for the 512-bit pass while the host's other tenants shared the cores' vector units, and so chose the
 // slow path in up to 3 starts of 4; the CPU's identity does not change with the neighbours.
 // Only speed depends on it: the twin and the 8-row kernels give the same bits (below).
-static int vnni_is_wide(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
-    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;   // "AuthenticAMD"
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
-    return amd && family >= 0x1a;
-}
+static int vnni_is_wide(void) { return amd_family() >= 0x1a; }
 
 // Activation rows from which the fast path's q4/q8 products run on the 512-bit twin instead of the 8-row
 // kernels (same bits): 2 where 512-bit vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
 // 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else
-// TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows).
+// TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows);
+// 1 on Zen 4 (AMD family 0x19 with AVX-512: double-pumped 512-bit units, narrow by vnni_is_wide), where twin16 beats
+// the 8-row kernels from one row on (the Zen 4 EPYC, default model, step_ab.py --setting twin-rows: 1 row against
+// 2 0.940-0.968x in four runs, 2 rows against 6 0.943x and 0.967x, 4 rows 0.900x and 0.934x, 8 rows on a par).
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
 SS_SHARED int twin_from_rows = -1;
 // Where 512-bit vpdpbusd is not wide: with AMX (the Sapphire Rapids Xeon) the tiles take the batches and the twin
@@ -98,7 +103,7 @@ SS_SHARED int iq16_from_rows = -1;
 SS_SHARED int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
-    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : twin_rows_narrow();
+    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : amd_family() == 0x19 ? 1 : twin_rows_narrow();
     const char *iq = getenv("SLIPSTREAM_IQ16_ROWS");
     iq16_from_rows = iq && *iq ? atoi(iq) : IQ16_FROM_ROWS;
     const char *t16 = getenv("SLIPSTREAM_TWIN16");
