@@ -208,8 +208,8 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build (the twin's instructions)")
 def test_twin_rows_come_from_the_cpu_or_the_environment():
     """The row count from which the 512-bit twin takes the q4/q8 products comes from the CPU (2 on AMD family 26,
-    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate; 1 on family 25 with
-    AVX-512, Zen 4; else 9, never, where AMX tiles take the batches: a build with them whose kernel grants the
+    Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate, and on family 25 with
+    AVX-512, Zen 4, where twin16 still wins from 2 rows; else 9, never, where AMX tiles take the batches: a build with them whose kernel grants the
     tile state; 6 elsewhere) unless
     SLIPSTREAM_TWIN_ROWS sets it; the IQ types' 16-row kernels take 2 rows on unless SLIPSTREAM_IQ16_ROWS says."""
     import subprocess
@@ -221,7 +221,7 @@ def test_twin_rows_come_from_the_cpu_or_the_environment():
     if "SLIPSTREAM_TWIN_ROWS" not in os.environ:
         flags = set(info.get("flags", "").split())
         tiles = {"amx_tile", "amx_int8"} <= flags and not os.environ.get("SLIPSTREAM_MARCH")
-        assert lib.ss_set_twin_rows(0) == (2 if wide else 1 if amd == 25 else 9 if tiles and lib.ss_amx_active() else 6)
+        assert lib.ss_set_twin_rows(0) == (2 if wide or amd == 25 else 9 if tiles and lib.ss_amx_active() else 6)
     if "SLIPSTREAM_IQ16_ROWS" not in os.environ:
         assert lib.ss_set_iq16_rows(0) == 2
     lib_ = "from slipstream.kernels.cpu import load_library; lib = load_library(); "

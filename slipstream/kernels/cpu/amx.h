@@ -65,9 +65,11 @@ static int vnni_is_wide(void) { return amd_family() >= 0x1a; }
 // kernels (same bits): 2 where 512-bit vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
 // 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else
 // TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows);
-// 1 on Zen 4 (AMD family 0x19 with AVX-512: double-pumped 512-bit units, narrow by vnni_is_wide), where twin16 beats
-// the 8-row kernels from one row on (the Zen 4 EPYC, default model, step_ab.py --setting twin-rows: 1 row against
-// 2 0.940-0.968x in four runs, 2 rows against 6 0.943x and 0.967x, 4 rows 0.900x and 0.934x, 8 rows on a par).
+// 2 on Zen 4 too (AMD family 0x19 with AVX-512: double-pumped 512-bit units, narrow by vnni_is_wide), where twin16
+// beats the 8-row kernels from 2 rows (the Zen 4 EPYC, default model, step_ab.py --setting twin-rows --prefetch 6 2,
+// two threads: 2 rows 0.931x, 0.967x, 0.943x, 0.924x; 4 rows 0.891-0.934x, 0.873x; one thread: 2 rows 1.046x slower,
+// 4 rows 0.967x). At one row it is on a par with two threads (0.983-1.027x) and 1.10x slower on one, so that row
+// stays on the 8-row kernels.
 // SLIPSTREAM_TWIN_ROWS=N at load, or ss_set_twin_rows(N), sets it.
 SS_SHARED int twin_from_rows = -1;
 // Where 512-bit vpdpbusd is not wide: with AMX (the Sapphire Rapids Xeon) the tiles take the batches and the twin
@@ -103,7 +105,7 @@ SS_SHARED int iq16_from_rows = -1;
 SS_SHARED int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
-    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() ? 2 : amd_family() == 0x19 ? 1 : twin_rows_narrow();
+    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() || amd_family() == 0x19 ? 2 : twin_rows_narrow();
     const char *iq = getenv("SLIPSTREAM_IQ16_ROWS");
     iq16_from_rows = iq && *iq ? atoi(iq) : IQ16_FROM_ROWS;
     const char *t16 = getenv("SLIPSTREAM_TWIN16");
