@@ -82,8 +82,10 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 // IQ4_NL's and IQ4_XS's; a kind without its bit goes back to q4p_row / q8p_row / qt_rb6_q8_row / qt_rb_q8_row (A/B).
 // Batch 1 comes first, so a bit is on by default only where its 8-row kernel costs nothing there (step_ab.py on
 // the re-quantized default model; docs/BENCHMARKS.md, 2026-11-29 and 2026-12-01):
-//   bit 4 (Q5_0, Q5_1) on AVX-512 builds: batch 1 0.96-1.00x, batch 8 0.74x; AVX2 builds (16 vector registers for
-//     the fifth bits' decoding) 1.04-1.12x slower at batch 1 though 0.70-0.82x at batch 8;
+//   bit 4 (Q5_0, Q5_1) on AVX-512 builds: batch 1 0.96-1.00x, batch 8 0.74x (the Zen 5 EPYC); AVX2 builds (16 vector
+//     registers for the fifth bits' decoding) 1.04-1.12x slower at batch 1 though 0.70-0.82x at batch 8; and off on
+//     Zen 4 (AMD family 0x19, double-pumped 512-bit units: batch 1 1.069-1.099x slower in four runs, batch 2 1.01x,
+//     batch 8 0.87x; the Zen 4 EPYC, 2026-12-03), by CPUID at load;
 //   bit 5 (IQ4_NL, IQ4_XS) on VNNI builds (AVX-512 VNNI, AVX-VNNI): batch 1 0.92-1.07x (median 1.04x), batch 8
 //     0.73-0.76x, prompt chunks 0.91-0.96x; plain
 //     AVX2 (maddubs: the signed codes' sign trick and a madd per dword) 1.09-1.11x slower at batch 1, 0.90-0.93x at 8.
@@ -97,6 +99,9 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
 // SLIPSTREAM_ROWS8 at load: 0 the one-row kernels for every kind; a number, that ss_set_rows8 mask (A/B runs)
 __attribute__((constructor)) static void rows8_default(void) {
+#if defined(SS_TWIN)
+    if (amd_family() == 0x19) rows8_usable &= ~16;
+#endif
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] >= '0' && env[0] <= '9') rows8_usable = SS_ROWS8 ? atoi(env) & 63 : 0;
 }
