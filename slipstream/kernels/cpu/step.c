@@ -86,6 +86,8 @@ static void rows8_gather(const SSMat *m, int n, int live, int G, int half, float
 //     registers for the fifth bits' decoding) 1.04-1.12x slower at batch 1 though 0.70-0.82x at batch 8; and off on
 //     Zen 4 (AMD family 0x19, double-pumped 512-bit units: batch 1 1.069-1.099x slower in four runs, batch 2 1.01x,
 //     batch 8 0.87x; the Zen 4 EPYC, 2026-12-03), by CPUID at load;
+//   bit 3 (Q5_K) likewise off on Zen 4: batch 1 1.043-1.071x slower in four runs, batch 8 0.67x (a Q5_K_M file of
+//     kquant_model.py);
 //   bit 5 (IQ4_NL, IQ4_XS) on VNNI builds (AVX-512 VNNI, AVX-VNNI): batch 1 0.92-1.07x (median 1.04x), batch 8
 //     0.73-0.76x, prompt chunks 0.91-0.96x; plain
 //     AVX2 (maddubs: the signed codes' sign trick and a madd per dword) 1.09-1.11x slower at batch 1, 0.90-0.93x at 8.
@@ -100,7 +102,7 @@ int rows8_usable = SS_ROWS8 ? SS_ROWS8_DEFAULT : 0;
 // SLIPSTREAM_ROWS8 at load: 0 the one-row kernels for every kind; a number, that ss_set_rows8 mask (A/B runs)
 __attribute__((constructor)) static void rows8_default(void) {
 #if defined(SS_TWIN)
-    if (amd_family() == 0x19) rows8_usable &= ~16;
+    if (amd_family() == 0x19) rows8_usable &= ~(8 | 16);   // Zen 4: Q5_K's and Q5_0/Q5_1's (above)
 #endif
     const char *env = getenv("SLIPSTREAM_ROWS8");
     if (env && env[0] >= '0' && env[0] <= '9') rows8_usable = SS_ROWS8 ? atoi(env) & 63 : 0;
