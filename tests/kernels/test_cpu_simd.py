@@ -118,6 +118,12 @@ def _amx(on: bool) -> bool:
 TWIN = lib is not None and lib.ss_tile_planes() == 1   # an AVX-512 VNNI build: the twin (and tiles where AMX is)
 
 
+def _cpu_info() -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo (vendor_id, cpu family, flags, ...)."""
+    first = open("/proc/cpuinfo").read().split("\n\n")[0]
+    return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+
+
 @pytest.mark.skipif(not TWIN, reason="no 512-bit VNNI in this build")
 def test_rows8_default_comes_from_the_build_and_the_cpu():
     """Which kinds take the 8-row kernels by default: all six on AVX-512 VNNI builds, except Q5_K (bit 3) and
@@ -125,8 +131,7 @@ def test_rows8_default_comes_from_the_build_and_the_cpu():
     sets the mask."""
     if "SLIPSTREAM_ROWS8" in os.environ:
         pytest.skip("SLIPSTREAM_ROWS8 sets the mask here")
-    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = _cpu_info()
     zen4 = info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
     assert lib.ss_rows8() == (63 & ~(8 | 16) if zen4 else 63)
 
@@ -222,13 +227,11 @@ def test_rows8_kernels_follow_the_twin_bitwise(fmt: int, k: int):
 def test_twin_rows_come_from_the_cpu_or_the_environment():
     """The row count from which the 512-bit twin takes the q4/q8 products comes from the CPU (2 on AMD family 26,
     Zen 5, and later, whose 512-bit vpdpbusd runs at the 256-bit one's instruction rate, and on family 25 with
-    AVX-512, Zen 4, where twin16 still wins from 2 rows; else 9, never, where AMX tiles take the batches: a build with them whose kernel grants the
-    tile state; 6 elsewhere) unless
-    SLIPSTREAM_TWIN_ROWS sets it; the IQ types' 16-row kernels take 2 rows on unless SLIPSTREAM_IQ16_ROWS says."""
+    AVX-512, Zen 4, where twin16 still wins from 2 rows; else 9, never, where AMX tiles take the batches: a build
+    with them whose kernel grants the tile state; 6 elsewhere) unless SLIPSTREAM_TWIN_ROWS sets it; the IQ types' 16-row kernels take 2 rows on unless SLIPSTREAM_IQ16_ROWS says."""
     import subprocess
     import sys
-    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = _cpu_info()
     amd = int(info.get("cpu family", "0")) if info.get("vendor_id") == "AuthenticAMD" else 0
     wide = amd >= 26
     if "SLIPSTREAM_TWIN_ROWS" not in os.environ:

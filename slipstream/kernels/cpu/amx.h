@@ -52,20 +52,21 @@ static unsigned amd_family(void) {
     const unsigned base = (a >> 8) & 0xf;
     return base == 0xf ? base + ((a >> 20) & 0xff) : base;
 }
-// Whether this CPU runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per cycle:
-// Zen 5's full-width vector units) rather than at half of it (one 512-bit port against two 256-bit ones on Sapphire
-// Rapids, double-pumped halves on Zen 4): AMD family 0x1A (Zen 5) and later, by CPUID. A timing probe at load (16
+// Whether the twin beats the 8-row kernels from 2 activation rows on: AMD family 0x19 (Zen 4) and later, by CPUID.
+// Zen 5 (0x1A) runs 512-bit vpdpbusd at the 256-bit one's instruction rate (twice the multiply-adds per cycle:
+// full-width vector units); Zen 4 runs it as double-pumped halves and Sapphire Rapids on one 512-bit port against
+// two 256-bit ones (half the rate), yet on Zen 4 twin16 still wins from 2 rows (below). A timing probe at load (16
 // independent chains of each width, best of 5) was tried first: in fresh processes on the Zen 5 EPYC it read
 // 1.08-2.73x for the 512-bit pass while the host's other tenants shared the cores' vector units, and so chose the
 // slow path in up to 3 starts of 4; the CPU's identity does not change with the neighbours.
 // Only speed depends on it: the twin and the 8-row kernels give the same bits (below).
-static int vnni_is_wide(void) { return amd_family() >= 0x1a; }
+static int twin_from_two_rows(void) { return amd_family() >= 0x19; }
 
 // Activation rows from which the fast path's q4/q8 products run on the 512-bit twin instead of the 8-row
 // kernels (same bits): 2 where 512-bit vpdpbusd is wide (the Zen 5 EPYC's steps, step_ab.py --setting twin-rows: 2 rows
 // 0.90x, 4 rows 0.89x, 8 rows 0.80-0.84x, a 512-token prompt chunk 0.89x; 1 row on a par), else
 // TWIN_FROM_ROWS_NARROW (on the Sapphire Rapids Xeon the twin is 1.05x slower at 1 row, the tiles take 6+ rows);
-// 2 on Zen 4 too (AMD family 0x19 with AVX-512: double-pumped 512-bit units, narrow by vnni_is_wide), where twin16
+// 2 on Zen 4 too (AMD family 0x19 with AVX-512: double-pumped 512-bit units), where twin16
 // beats the 8-row kernels from 2 rows (the Zen 4 EPYC, default model, step_ab.py --setting twin-rows --prefetch 6 2,
 // two threads: 2 rows 0.931x, 0.967x, 0.943x, 0.924x; 4 rows 0.891-0.934x, 0.873x; one thread: 2 rows 1.046x slower,
 // 4 rows 0.967x). At one row it is on a par with two threads (0.983-1.027x) and 1.10x slower on one, so that row
@@ -105,7 +106,7 @@ SS_SHARED int iq16_from_rows = -1;
 SS_SHARED int twin16_usable = 1;
 __attribute__((constructor)) static void twin_rows_default(void) {
     const char *env = getenv("SLIPSTREAM_TWIN_ROWS");
-    twin_from_rows = env && *env ? atoi(env) : vnni_is_wide() || amd_family() == 0x19 ? 2 : twin_rows_narrow();
+    twin_from_rows = env && *env ? atoi(env) : twin_from_two_rows() ? 2 : twin_rows_narrow();
     const char *iq = getenv("SLIPSTREAM_IQ16_ROWS");
     iq16_from_rows = iq && *iq ? atoi(iq) : IQ16_FROM_ROWS;
     const char *t16 = getenv("SLIPSTREAM_TWIN16");
