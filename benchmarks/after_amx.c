@@ -32,7 +32,7 @@ int main(void) {
             double t0 = now();
             ss_quantize_row(x[r & 7], 192, xq[0] + 0, xd[0], xs[0]); ss_pair_groups(xq[0], xd[0], K, 0, 6, p, e);
             double t1 = now();
-            for (int h = 0; h < KVH; h++) ss_attend_heads(q + h * 3 * D, 3, kc, vc, 1, KVH, h, D, slots, NK, 0.125f, 0.f, sp, out + h * 3 * D, NULL);
+            for (int h = 0; h < KVH; h++) ss_attend_heads(q + h * 3 * D, 3, kc, vc, SS_KV_F16, NULL, NULL, KVH, h, D, slots, NK, 0.125f, 0.f, sp, out + h * 3 * D, NULL);
             double t2 = now();
             tp += t1 - t0; ta += t2 - t1; n++;
         }

@@ -36,7 +36,7 @@ int main(int argc, char **argv) {
                 for (int b = 0; b < ROWS; b++) {
                     const size_t off = warm ? 0 : (size_t)L * per_layer;
                     for (int kvh = 0; kvh < KVH; kvh++)
-                        ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off, v + off, 1, KVH, kvh, D, slots + b * n,
+                        ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off, v + off, SS_KV_F16, NULL, NULL, KVH, kvh, D, slots + b * n,
                                         n, 0.125f, 0.f, p, out + kvh * GROUP * D, NULL);
                 }
             const double dt = now() - t;

@@ -221,7 +221,8 @@ def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, thre
 
     t = time.perf_counter()
     # no prefix cache: every timed run must prefill its whole prompt (the runs repeat one prompt)
-    llm = LLM(str(model), exact=exact, enable_prefix_cache=False)
+    kv_dtype = os.environ.get("CPU_DECODE_KV_CACHE_DTYPE", "auto")   # the parent's --kv-cache-dtype
+    llm = LLM(str(model), exact=exact, enable_prefix_cache=False, kv_cache_dtype=kv_dtype)
     load_s = time.perf_counter() - t
     if batch > 1:
         return _slipstream_batch(llm, ids, max_tokens, runs, batch, load_s, exact)
@@ -422,9 +423,11 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
                "--model", str(args.model), "--prompt-ids-file", str(ids_file),
                "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
                "--batch", str(args.batch), "--llama-batch", str(args.llama_batch)]
-        from slipstream import peer_environ   # llama.cpp gets the user's OpenMP wait policy, not ours
+        from slipstream import peer_environ  # llama.cpp gets the user's OpenMP wait policy, not ours
         env = dict(os.environ if engine.startswith("slipstream") else peer_environ(), OMP_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
+        if args.kv_cache_dtype != "auto" and engine.startswith("slipstream"):
+            env["CPU_DECODE_KV_CACHE_DTYPE"] = args.kv_cache_dtype
         if args.march and engine.startswith("slipstream"):
             env["SLIPSTREAM_MARCH"] = args.march     # e.g. x86-64-v3: the AVX2 build on an AVX-512 machine
         if args.llama_path and engine == "llama.cpp":
@@ -659,7 +662,8 @@ def parent_main(args: argparse.Namespace) -> int:
         payload = {"machine": info, "model": str(args.model), "prompt_ids": ids,
                    "settings": {"runs": args.runs, "max_tokens": args.max_tokens, "threads": args.threads,
                                 "prompt_tokens": len(ids), "batch": args.batch, "neighbour": args.neighbour,
-                                "march": args.march, "llama_path": args.llama_path},
+                                "march": args.march, "llama_path": args.llama_path,
+                                "kv_cache_dtype": args.kv_cache_dtype},
                    "summary": summaries, "agreement": agree, "limits": limits, "neighbour_bounds": bounds,
                    "results": [asdict(r) for r in results]}
         Path(args.json).write_text(json.dumps(payload, indent=1))
@@ -718,6 +722,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--neighbour", action="store_true",
                    help="run a busy neighbour (a 2-thread matrix multiply) beside every engine, then each engine "
                         "again without it, on --threads and on one thread (the fair share's bound)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "int8"],
+                   help="slipstream engines: the KV cache's element type (EngineConfig.kv_cache_dtype)")
     p.add_argument("--march", default=None,
                    help="build slipstream's kernels for this -march (e.g. x86-64-v3 for AVX2 on an AVX-512 machine)")
     p.add_argument("--llama-path", default=None,

@@ -33,9 +33,9 @@ PROMPTS = ["Explain in a few sentences why the sky is blue during the day.",
            "What is the difference between a virus and a bacterium?"]
 
 
-def _native(model_path: str | None, exact: bool) -> Any:
+def _native(model_path: str | None, exact: bool, kv_cache_dtype: str = "auto") -> Any:
     from slipstream import LLM
-    return LLM(model_path, exact=exact, runtime="native")
+    return LLM(model_path, exact=exact, runtime="native", kv_cache_dtype=kv_cache_dtype)
 
 
 def native_perplexity(llm: Any, ids: list[int]) -> float:
@@ -86,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens per prompt")
     p.add_argument("--text-tokens", type=int, default=512, help="tokens of the held-aside text to score")
     p.add_argument("--json", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp16", "int8"],
+                   help="the fast path's KV cache (the exact path keeps fp32)")
     args = p.parse_args(argv)
     from slipstream.weights import default_model_path
     path = args.model or str(default_model_path())
-    exact, fast = _native(path, True), _native(path, False)
+    exact, fast = _native(path, True), _native(path, False, args.kv_cache_dtype)
     ids = exact.tokenizer.encode(TEXT.read_text())[: args.text_tokens]
     res: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           "model": path, "text_tokens": len(ids)}
+                           "model": path, "text_tokens": len(ids), "kv_cache_dtype": args.kv_cache_dtype}
     res["ppl_exact"] = native_perplexity(exact, ids)
     res["ppl_fast"] = native_perplexity(fast, ids)
     res["ppl_llama_cpp"] = llama_cpp_perplexity(path, ids)

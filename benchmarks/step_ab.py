@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--neighbour", action="store_true",
                     help="time the steps beside a busy neighbour process (cpu_decode.py's 2-thread matrix multiply); "
                          "SLIPSTREAM_ADAPTIVE_THREADS=0 keeps the team at its size beside it")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32"], default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp16", "fp32", "int8"], default="auto",
                     help="the KV cache's element type (EngineConfig.kv_cache_dtype)")
     args = ap.parse_args()
 

@@ -57,10 +57,11 @@ ENGINE_FLAGS: dict[str, dict] = {
     "threads": dict(type=int, default=None, metavar="N",
                     help="compute threads on the CPU, per rank with --tensor-parallel (default: one per core this "
                          "process may run on; SLIPSTREAM_THREADS sets that default)"),
-    "kv_cache_dtype": dict(default="auto", metavar="{auto,fp32,fp16}",   # EngineConfig refuses others in one line
+    "kv_cache_dtype": dict(default="auto", metavar="{auto,fp32,fp16,int8}",   # EngineConfig refuses others in one line
                            help="KV-cache element type on the CPU: fp16 holds twice the tokens in the same memory "
                                 "and halves what attention reads; auto: fp16 on the native fast path, fp32 with "
-                                "--exact and on the eager CPU step (a GPU keeps the weights' dtype)"),
+                                "--exact and on the eager CPU step (a GPU keeps the weights' dtype); int8: 8-bit codes "
+                                "with a scale per row, about half of fp16's bytes (not with --exact)"),
 }
 BATCH_FLAGS: dict[str, dict] = {
     "max_batch": dict(type=int, default=32, help="most requests decoded together"),

@@ -333,6 +333,9 @@ def test_kv_cache_dtype_flag():
     assert fp16["token_ids"] == fp32["token_ids"] == eager16["token_ids"]
     _assert_one_line_error(run_cli("generate", "--kv-cache-dtype", "fp8", "-p", "Hello", "--max-tokens", "4"),
                            ["kv-cache-dtype", "fp8"])
+    _assert_one_line_error(run_cli(*args, "--exact", "--kv-cache-dtype", "int8"), ["int8", "exact"])
+    int8 = _json(run_cli(*args, "--kv-cache-dtype", "int8"))   # the fast path over 8-bit K and V: runs, 12 tokens
+    assert len(int8["token_ids"]) == 12 and int8["token_ids"][0] == fp32["token_ids"][0]
 
 
 def test_threads_flag():

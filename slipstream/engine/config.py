@@ -13,7 +13,7 @@ from typing import Any
 from slipstream.errors import ConfigError
 
 SPEC_MAX_BATCH = 3   # see EngineConfig.speculative_max_batch
-KV_CACHE_DTYPES = ("auto", "fp32", "fp16")   # see EngineConfig.kv_cache_dtype
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "int8")   # see EngineConfig.kv_cache_dtype
 
 
 class EngineConfigError(ConfigError):
@@ -52,9 +52,10 @@ class EngineConfig:
     # use the exact fp32-activation CPU kernels instead of the int8-activation fast path
     exact: bool = False
     # the KV cache's element type on the CPU: "fp16" (half the bytes per token: twice the tokens in the same
-    # memory, half the bytes attention reads), "fp32", or "auto": fp16 under the native runtime's fast path,
-    # fp32 under its exact path (compared with transformers) and under the eager CPU step. On a GPU the
-    # cache takes the weights' dtype whatever this says ("auto" only).
+    # memory, half the bytes attention reads), "int8" (8-bit codes and a float32 scale per row of head_dim:
+    # about half of fp16's bytes; not under the exact path), "fp32", or "auto": fp16 under the native
+    # runtime's fast path, fp32 under its exact path (compared with transformers) and under the eager CPU
+    # step. On a GPU the cache takes the weights' dtype whatever this says ("auto" only).
     kv_cache_dtype: str = "auto"
     # compute threads on the CPU (llama.cpp's -t): the native step's team and torch's pool for the eager step
     # and prompt GEMMs. None: one per core this process may run on (SLIPSTREAM_THREADS overrides that default).

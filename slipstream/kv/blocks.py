@@ -24,6 +24,17 @@ class OutOfBlocks(SlipstreamError):
     pass
 
 
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] as an int8 KV cache holds them: codes round(x / scale) (nearest, ties to even) and one
+    float32 scale absmax / 127 per row (0, and zero codes, for a row of zeros). The native step stores the
+    same bits (kernels/cpu/ops.h, ss_store_i8_row)."""
+    x = x.float()
+    scale = x.abs().amax(-1) / 127.0
+    live = scale > 0
+    codes = torch.where(live[..., None], x / torch.where(live, scale, 1.0)[..., None], 0.0)
+    return codes.round().clamp_(-127, 127).to(torch.int8), scale
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -132,7 +143,9 @@ class _BlockCache:
 
 
 class PagedKVCache(_BlockCache):
-    """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA)."""
+    """K and V per layer, [num_layers, slots, num_kv_heads, head_dim] each (the Llama family, GQA). With
+    dtype torch.int8 the rows hold int8 codes and `k_scale`, `v_scale` [num_layers, slots, num_kv_heads]
+    their float32 scales (`int8_rows`): D + 4 bytes a row against fp16's 2 D; `store` and `read` convert."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -142,11 +155,39 @@ class PagedKVCache(_BlockCache):
         # slot before its token was stored
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
 
     def _zero(self, block: int) -> None:
         slots = slice(block * self.block_size, (block + 1) * self.block_size)
         self.k[:, slots].zero_()
         self.v[:, slots].zero_()
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale[:, slots].zero_()
+            self.v_scale[:, slots].zero_()
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s K and V rows [len(slots), KVH, D] written at `slots` (rounded to the cache's type)."""
+        if self.k_scale is None or self.v_scale is None:
+            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+            return
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            codes, scale = int8_rows(x)
+            cache[layer].index_copy_(0, slots, codes)
+            scales[layer].index_copy_(0, slots, scale)
+
+    def read(self, layer: int, at: tuple[int, int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V rows at slots `at` (a [start, end) range or an index tensor), as stored:
+        the cache's own dtype, or float32 values (codes x scales) for an int8 cache."""
+        pick = (lambda t: t[at[0]:at[1]]) if isinstance(at, tuple) else (lambda t: t.index_select(0, at))
+        k, v = pick(self.k[layer]), pick(self.v[layer])
+        if self.k_scale is None or self.v_scale is None:
+            return k, v
+        return (k.float() * pick(self.k_scale[layer])[..., None], v.float() * pick(self.v_scale[layer])[..., None])
 
 
 class HybridKVCache(PagedKVCache):
@@ -170,6 +211,9 @@ class HybridKVCache(PagedKVCache):
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if not any(sliding) or all(sliding):
             raise ValueError("a hybrid cache needs both sliding and global layers")
+        if dtype == torch.int8:
+            raise SlipstreamError("the int8 KV cache does not cover Gemma's hybrid cache (sliding-window layers "
+                                  "beside global ones); use --kv-cache-dtype fp16")
         super().__init__(sum(not s for s in sliding), num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.local_window = window
         n_local = sum(sliding)

@@ -154,9 +154,12 @@ class DecoderModel:
         return self
 
     def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes one token takes in a cache of `dtype` elements (default: `kv_dtype`)."""
+        """Bytes one token takes in a cache of `dtype` elements (default: `kv_dtype`; int8: a float32
+        scale per row beside the codes)."""
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * (dtype or self.kv_dtype).itemsize
+        dt = dtype or self.kv_dtype
+        row = c.head_dim + 4 if dt == torch.int8 else c.head_dim * dt.itemsize
+        return 2 * c.num_layers * c.num_kv_heads * row
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: torch.dtype | None = None) -> PagedKVCache:
         """A paged cache on the model's device, of `dtype` elements (default: `kv_dtype`; on the CPU fp16
@@ -187,13 +190,16 @@ class DecoderModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
+    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor | tuple[PagedKVCache, int], layer_v: torch.Tensor | None,
                    s: SeqSlice, scale: float | None = None, window: int | None = None,
                    softcap: float | None = None) -> torch.Tensor:
         """q [len, H, D] against the sequence's cached keys -> [len, H, D]; with `window`, a query
         sees only the keys less than `window` positions behind it (sliding-window layers); with
-        `softcap`, scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
-        if isinstance(s.read, tuple):
+        `softcap`, scores become softcap * tanh(scores / softcap) before the mask (Gemma 2).
+        layer_k, layer_v: the layer's K and V tensors, or (an int8 cache, the layer) and None."""
+        if isinstance(layer_k, tuple):   # an int8 cache: its rows' values, codes x scales
+            k, v = layer_k[0].read(layer_k[1], s.read)
+        elif isinstance(s.read, tuple):
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
             k, v = layer_k.index_select(0, s.read), layer_v.index_select(0, s.read)
@@ -289,8 +295,12 @@ class DecoderModel:
             else:   # Gemma's hybrid cache: the sliding layers address their own parts
                 lk, lv, local = hybrid.layer_cache(li)
                 at = local_step if local else step
-            lk.index_copy_(0, at.write_slots, k.to(lk.dtype))
-            lv.index_copy_(0, at.write_slots, v.to(lv.dtype))
+            if lk.dtype == torch.int8:   # codes and scales (kv.store); attention reads them back as values
+                kv.store(li, at.write_slots, k, v)
+                lk, lv = (kv, li), None
+            else:
+                lk.index_copy_(0, at.write_slots, k.to(lk.dtype))
+                lv.index_copy_(0, at.write_slots, v.to(lv.dtype))
             cap = c.attn_softcap
             if len(at.seqs) == 1:
                 attn = self._attention(q, lk, lv, at.seqs[0], c.attn_scale, window, cap)

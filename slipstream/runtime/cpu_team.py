@@ -35,7 +35,9 @@ from slipstream.weights.moe import MoeLayer
 
 # the KV cache's element types the step reads and writes: fp32, or fp16 (K and V rounded to half precision
 # when stored, widened in registers when attention reads them: half the bytes attention streams)
-KV_DTYPES = (torch.float32, torch.float16)
+KV_DTYPES = (torch.float32, torch.float16, torch.int8)
+# ops.h's element types (SSLayer.kv_type); int8: codes with a float32 scale per row in kv.k_scale, kv.v_scale
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -241,7 +243,7 @@ class CpuTeamDecoder:
         self._hybrid = isinstance(kv, HybridKVCache)
         caches = [kv.layer_cache(i) if self._hybrid else (kv.k[i], kv.v[i], False) for i in range(model.cfg.num_layers)]
         if kv_dtype not in KV_DTYPES or kv.v.dtype != kv_dtype or {kv.k.device.type, kv.v.device.type} != {"cpu"}:
-            raise RuntimeError("the native runtime needs a float32 or float16 KV cache on the CPU")
+            raise RuntimeError("the native runtime needs a float32, float16 or int8 KV cache on the CPU")
         self.lib = load_library()
         self.model = model
         self.kv = kv
@@ -282,9 +284,9 @@ class CpuTeamDecoder:
                     _ptr(L.k_norm), caches[i][0].data_ptr(), caches[i][1].data_ptr(),
                     _ptr(L.post_attn_norm), _ptr(L.post_ffn_norm),
                     (c.sliding_window or 0) if c.is_sliding(i) else 0,
-                    int(c.is_sliding(i) and model.inv_freq_local is not None), int(kv_dtype == torch.float16),
+                    int(c.is_sliding(i) and model.inv_freq_local is not None), KV_TYPES[kv_dtype],
                     int(caches[i][2]),
-                    self._moe_ptr(i))
+                    self._moe_ptr(i), *self._kv_scales(kv, i))
             for i, L in enumerate(layers)])
         act = ACT_GELU_TANH if c.hidden_act == "gelu_tanh" else ACT_SILU
         scale = c.attn_scale if c.attn_scale is not None else c.head_dim ** -0.5
@@ -311,6 +313,14 @@ class CpuTeamDecoder:
         want = team_size(self.threads, self._cores, other)
         if want != self.active_threads:
             self.active_threads = self.lib.ss_team_configure(want, -1, -1)
+
+    @staticmethod
+    def _kv_scales(kv: Any, i: int) -> tuple[int | None, int | None]:
+        """Layer i's K and V scale planes (an int8 cache), else NULLs."""
+        ks, vs = getattr(kv, "k_scale", None), getattr(kv, "v_scale", None)
+        if ks is None or vs is None:
+            return None, None
+        return ks[i].data_ptr(), vs[i].data_ptr()
 
     def _moe_ptr(self, i: int) -> Any:
         st = self._moe[i]

@@ -151,8 +151,10 @@ def kv_cache_dtype(setting: str, name: str, model: Any, exact: bool = False) -> 
     `kv_cache_dtype` setting, or None to keep the model's own (`model.kv_dtype`: the weights' on a GPU).
     "auto": fp16 under the native runtime's fast path (half the bytes attention reads, twice the tokens
     per byte of cache), fp32 under its exact path and the eager CPU step (the references); a GPU
-    placement keeps the model's. "fp32"/"fp16": that type on the CPU; SlipstreamError on a GPU placement
-    or for a model whose cache has no such choice (only the Llama family's `PagedKVCache` has one)."""
+    placement keeps the model's. "fp32"/"fp16": that type on the CPU; "int8": codes with a float32 scale
+    per row (kv/blocks.py int8_rows; D + 4 bytes a row, about half of fp16's), not under the exact path;
+    SlipstreamError on a GPU placement or for a model whose cache has no such choice (only the Llama
+    family's `PagedKVCache` has one)."""
     import torch
 
     on_cpu = placement(name, model) == "cpu"
@@ -160,15 +162,18 @@ def kv_cache_dtype(setting: str, name: str, model: Any, exact: bool = False) -> 
         if not on_cpu or not hasattr(model, "kv_dtype"):
             return None
         return torch.float16 if name == "native" and not exact else torch.float32
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[setting]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}[setting]
     if not on_cpu or name not in ("native", "eager"):
         raise SlipstreamError(f"--kv-cache-dtype {setting} applies to the native and eager CPU runtimes; on a GPU "
                               "the KV cache takes the weights' dtype (use --kv-cache-dtype auto)")
     if not hasattr(model, "kv_dtype"):
         if dtype == torch.float32:
             return None
-        raise SlipstreamError(f"this model's KV cache has no fp16 choice ({type(model).__name__}); "
+        raise SlipstreamError(f"this model's KV cache has no {setting} choice ({type(model).__name__}); "
                               "use --kv-cache-dtype auto")
+    if dtype == torch.int8 and exact:
+        raise SlipstreamError("--kv-cache-dtype int8 rounds K and V to 8 bits: the exact path keeps fp32 "
+                              "(drop --exact, or use --kv-cache-dtype fp32)")
     return dtype
 
 

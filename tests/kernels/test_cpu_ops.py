@@ -111,6 +111,52 @@ def test_attn_decode_f16(lengths: list[int], H: int, KVH: int, D: int, cap: floa
                                rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("lengths,H,KVH,D,cap", ATTN_CASES + [([200], 9, 3, 64, 0.0)])
+def test_attn_decode_i8(lengths: list[int], H: int, KVH: int, D: int, cap: float):
+    """Attention over an int8 cache (--kv-cache-dtype int8): codes widened in registers, each score scaled by
+    its key row's scale and each value weight by its value row's, gives the reference's result over the
+    dequantized values (codes x scales) to fp32 rounding, and the fp32-cache result to within the codes'
+    rounding (half a step of absmax / 127 per element, absmax ~3 for these N(0, 1) rows of up to 256: the outputs
+    within 4e-2; measured 2.7e-2 at D = 256)."""
+    from slipstream.kv.blocks import int8_rows
+
+    S = len(lengths)
+    kc, vc, seq_slots, slots, starts, qkv, row = _paged_case(lengths, H, KVH, D,
+                                                             torch.Generator().manual_seed(sum(lengths) + 7 * D))
+    (kq, ks), (vq, vs) = int8_rows(kc), int8_rows(vc)
+    out = torch.empty(S, H * D)
+    scale = D ** -0.5
+    vp, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.attn_decode_i8(vp(qkv.data_ptr()), i32(row), i32(S), i32(H), i32(KVH), i32(D), vp(slots.data_ptr()),
+                       vp(starts.data_ptr()), vp(kq.data_ptr()), vp(vq.data_ptr()), vp(ks.data_ptr()),
+                       vp(vs.data_ptr()), f32(scale), f32(cap), vp(out.data_ptr()))
+    q = qkv[:, :H * D].view(S, H, D)
+    kd, vd = kq.float() * ks[..., None], vq.float() * vs[..., None]
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kd, vd, seq_slots, scale, cap),
+                               rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(out.view(S, H, D), ref.attn_decode(q, kc, vc, seq_slots, scale, cap),
+                               rtol=0, atol=4e-2)
+
+
+def test_f32_to_i8_rows_as_torch():
+    """The int8 cache's store: the same codes and scales as kv/blocks.py's int8_rows (round half to even
+    of x / (absmax / 127)), over random rows, rows with exact ties, a row of zeros and rows of one value."""
+    from slipstream.kv.blocks import int8_rows
+
+    g = torch.Generator().manual_seed(5)
+    D = 64
+    ties = (torch.arange(D) - 32).float() * 0.5 * (127 / 64)   # absmax 63.5 x ... : steps of half a code
+    x = torch.cat([torch.randn(300, D, generator=g) * 3, torch.randn(20, D, generator=g) * 1e-30,
+                   ties[None], torch.zeros(1, D), torch.full((1, D), -2.5), torch.full((1, D), 7.0)]).contiguous()
+    codes, scales = torch.empty(x.shape, dtype=torch.int8), torch.empty(x.shape[0])
+    lib.f32_to_i8_rows(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_int(D),
+                       ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scales.data_ptr()))
+    want_codes, want_scales = int8_rows(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes)
+    assert codes.abs().max().item() == 127 and torch.equal(codes[-3], torch.zeros(D, dtype=torch.int8))
+
+
 def test_f32_to_f16_rounds_as_torch():
     """The cache store's conversion: bit-identical to torch's .half() (nearest, ties to even), over normal,
     subnormal, overflowing and tie values, on the vector path and the scalar tail."""

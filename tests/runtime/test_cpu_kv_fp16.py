@@ -119,7 +119,7 @@ def test_auto_picks_fp16_for_the_native_fast_path_only(smollm2):
     assert kv_cache_dtype("fp16", "eager", smollm2) == torch.float16
     assert kv_cache_dtype("fp32", "native", smollm2) == torch.float32
     with pytest.raises(EngineConfigError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int8")
+        EngineConfig(kv_cache_dtype="int4")
 
 
 def test_bytes_per_token_halve(smollm2):

@@ -36,7 +36,8 @@ class SSLayer(ctypes.Structure):
     _fields_ = [("qkv", SSMat), ("o", SSMat), ("gate_up", SSMat), ("down", SSMat), ("attn_norm", _P),
                 ("ffn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("kcache", _P), ("vcache", _P),
                 ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I), ("rope_local", _I),
-                ("kv_f16", _I), ("local_slots", _I), ("moe", ctypes.POINTER(SSMoe))]
+                ("kv_type", _I), ("local_slots", _I), ("moe", ctypes.POINTER(SSMoe)), ("kscale", _P),
+                ("vscale", _P)]
 
 
 class SSModel(ctypes.Structure):

@@ -35,16 +35,17 @@ void rope_store(float *qkv, int T, int H, int KVH, int D, const float *cs, const
 // Decode attention: one query token per sequence against its cached keys.
 // q: [S][H*D] (row stride q_stride floats); slots: the cache slots of every sequence's context,
 // concatenated; starts[s]..starts[s+1] delimits sequence s. out: [S][H*D]. The cache's elements are
-// fp32, or IEEE fp16 when f16 (attn_decode_f16). cap > 0: scores soft-capped, cap * tanh(s / cap) (Gemma 2).
+// fp32, IEEE fp16 (attn_decode_f16) or int8 codes with their rows' scales (attn_decode_i8; ksc, vsc [slots][KVH]).
+// cap > 0: scores soft-capped, cap * tanh(s / cap) (Gemma 2).
 static void attn_decode_any(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
-                            const int64_t *starts, const void *kcache, const void *vcache, int f16, float scale,
-                            float cap, float *out) {
+                            const int64_t *starts, const void *kcache, const void *vcache, int et, const float *ksc,
+                            const float *vsc, float scale, float cap, float *out) {
     for (int s = 0; s < S; s++) {
         const int64_t n = starts[s + 1] - starts[s];
         const int group = H / KVH;
         float *p = (float *)malloc(sizeof(float) * (n > 0 ? n * group : 1));
         for (int kvh = 0; kvh < KVH; kvh++)
-            ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, f16, KVH, kvh, D,
+            ss_attend_heads(q + (int64_t)s * q_stride + kvh * group * D, group, kcache, vcache, et, ksc, vsc, KVH, kvh, D,
                             slots + starts[s], n, scale, cap, p, out + (int64_t)s * H * D + kvh * group * D, NULL);
         free(p);
     }
@@ -53,13 +54,24 @@ static void attn_decode_any(const float *q, int q_stride, int S, int H, int KVH,
 void attn_decode(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
                  const int64_t *starts, const float *kcache, const float *vcache, float scale, float cap,
                  float *out) {
-    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, 0, scale, cap, out);
+    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, SS_KV_F32, NULL, NULL, scale, cap, out);
 }
 
 void attn_decode_f16(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
                      const int64_t *starts, const uint16_t *kcache, const uint16_t *vcache, float scale, float cap,
                      float *out) {
-    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, 1, scale, cap, out);
+    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, SS_KV_F16, NULL, NULL, scale, cap, out);
+}
+
+void attn_decode_i8(const float *q, int q_stride, int S, int H, int KVH, int D, const int64_t *slots,
+                    const int64_t *starts, const int8_t *kcache, const int8_t *vcache, const float *ksc,
+                    const float *vsc, float scale, float cap, float *out) {
+    attn_decode_any(q, q_stride, S, H, KVH, D, slots, starts, kcache, vcache, SS_KV_I8, ksc, vsc, scale, cap, out);
+}
+
+// rows [rows][D] of floats -> int8 codes and one scale per row (what the step stores into an int8 KV cache)
+void f32_to_i8_rows(const float *x, int64_t rows, int D, int8_t *codes, float *scales) {
+    for (int64_t r = 0; r < rows; r++) ss_store_i8_row(x + r * D, codes + r * D, D, scales + r);
 }
 
 // n floats -> IEEE fp16 (what the step stores into an fp16 KV cache)

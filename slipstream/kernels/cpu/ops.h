@@ -24,7 +24,7 @@ static inline void ss_rope_head(float *v, const float *cs, const float *sn, int 
 }
 
 // -- fp16 KV rows ----------------------------------------------------------------------------------
-// The KV cache holds fp32 or IEEE fp16 rows (SSLayer.kv_f16): K and V are rounded to fp16 (nearest,
+// The KV cache holds fp32 or IEEE fp16 rows (SSLayer.kv_type = SS_KV_F16): K and V are rounded to fp16 (nearest,
 // ties to even, as torch's .to(float16)) when stored and widened to fp32 in registers when read.
 #if defined(SS_AVX2) && defined(__F16C__)
 #define SS_F16C 1
@@ -64,31 +64,64 @@ static inline void ss_store_half_row(const float *f, uint16_t *h, int n) {
     for (; i < n; i++) h[i] = ss_f32_to_half(f[i]);
 }
 
-// a token's row of KV head kvh in a cache of [slots][KVH][D] fp32 or fp16 elements
-#define SS_KV_ROW(cache, f16, slot, KVH, kvh, D) \
-    ((const char *)(cache) + ((int64_t)(slot) * (KVH) + (kvh)) * (int64_t)(D) * ((f16) ? 2 : 4))
+// The cache's element types (SSLayer.kv_type). SS_KV_I8: int8 codes with one fp32 scale per (slot, KV head)
+// row, absmax / 127, in a plane of its own ([slots][KVH], K and V each): a row of D codes is D + 4 bytes
+// against fp16's 2 D, and attention multiplies by the scale once per score (K) and per weight (V), not per
+// element. The codes are round(x / scale) (nearest, ties to even), as kv/blocks.py's int8_rows computes them.
+#define SS_KV_F32 0
+#define SS_KV_F16 1
+#define SS_KV_I8 2
+#define SS_KV_ESZ(et) ((et) == SS_KV_F16 ? 2 : (et) == SS_KV_I8 ? 1 : 4)
 
-// K or V of one token stored at its slot (fp32 or fp16)
-static inline void ss_kv_store(void *cache, int f16, int64_t slot, int KVH, int kvh, int D, const float *v) {
-    char *dst = (char *)SS_KV_ROW(cache, f16, slot, KVH, kvh, D);
-    if (f16) ss_store_half_row(v, (uint16_t *)dst, D);
+// a token's row of KV head kvh in a cache of [slots][KVH][D] elements of type et
+#define SS_KV_ROW(cache, et, slot, KVH, kvh, D) \
+    ((const char *)(cache) + ((int64_t)(slot) * (KVH) + (kvh)) * (int64_t)(D) * SS_KV_ESZ(et))
+
+// n floats -> int8 codes and their scale (absmax / 127; 0 and zero codes for a row of zeros)
+static inline void ss_store_i8_row(const float *f, int8_t *q, int n, float *scale) {
+    float amax = 0.f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(f[i]));
+    const float s = amax / 127.0f;
+    *scale = s;
+    for (int i = 0; i < n; i++) {
+        const float c = s > 0.f ? nearbyintf(f[i] / s) : 0.f;
+        q[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+    }
+}
+
+// n int8 codes -> floats (the scale applied by the caller)
+static inline void ss_i8_row(const int8_t *q, float *f, int n) {
+    for (int i = 0; i < n; i++) f[i] = (float)q[i];
+}
+
+// K or V of one token stored at its slot (type et; scales: the int8 cache's plane, else unused)
+static inline void ss_kv_store(void *cache, float *scales, int et, int64_t slot, int KVH, int kvh, int D,
+                               const float *v) {
+    char *dst = (char *)SS_KV_ROW(cache, et, slot, KVH, kvh, D);
+    if (et == SS_KV_I8) ss_store_i8_row(v, (int8_t *)dst, D, scales + slot * KVH + kvh);
+    else if (et == SS_KV_F16) ss_store_half_row(v, (uint16_t *)dst, D);
     else memcpy(dst, v, sizeof(float) * D);
 }
 
-// One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh; fp16 when f16):
+// One query head against its n cached keys (cache rows [slot][KVH][D], kv head kvh, elements of type et;
+// ksc, vsc: the int8 cache's scale planes, else unused):
 // out[D] = softmax(s) . v with s = q . k * scale, or cap * tanh(s / cap) when cap > 0 (Gemma 2's
 // soft-capping); p: scratch of n floats. ml (if not NULL): the scores' max and the sum of exp(s - max),
 // what it takes to merge this result with another part of the same context's (ss_attend_merge).
-static inline void ss_attend(const float *q, const void *kcache, const void *vcache, int f16, int KVH, int kvh,
-                             int D, const int64_t *slots, int64_t n, float scale, float cap, float *p, float *out,
-                             float *ml) {
-    float row[f16 ? D : 1];
-#define SS_ROW(cache, j) (f16 ? (ss_f16_row((const uint16_t *)SS_KV_ROW(cache, 1, slots[j], KVH, kvh, D), row, D), \
-                                 (const float *)row)                                                              \
-                              : (const float *)SS_KV_ROW(cache, 0, slots[j], KVH, kvh, D))
+// An int8 row's score is (q . codes) x its K scale x scale; its value weight p x inv x its V scale.
+static inline void ss_attend(const float *q, const void *kcache, const void *vcache, int et, const float *ksc,
+                             const float *vsc, int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale,
+                             float cap, float *p, float *out, float *ml) {
+    float row[et ? D : 1];
+#define SS_ROW(cache, j) (et == SS_KV_F16 ? (ss_f16_row((const uint16_t *)SS_KV_ROW(cache, et, slots[j], KVH, kvh, D), row, D), \
+                                           (const float *)row)                                                              \
+                          : et == SS_KV_I8 ? (ss_i8_row((const int8_t *)SS_KV_ROW(cache, et, slots[j], KVH, kvh, D), row, D), \
+                                           (const float *)row)                                                              \
+                                         : (const float *)SS_KV_ROW(cache, 0, slots[j], KVH, kvh, D))
     float mx = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        p[j] = ss_dot(q, SS_ROW(kcache, j), D) * scale;
+        p[j] = et == SS_KV_I8 ? ss_dot(q, SS_ROW(kcache, j), D) * ksc[slots[j] * KVH + kvh] * scale
+                              : ss_dot(q, SS_ROW(kcache, j), D) * scale;
         if (cap > 0.f) p[j] = cap * tanhf(p[j] / cap);
         if (p[j] > mx) mx = p[j];
     }
@@ -96,7 +129,8 @@ static inline void ss_attend(const float *q, const void *kcache, const void *vca
     const float inv = 1.0f / sum;
     if (ml) ml[0] = mx, ml[1] = sum;
     memset(out, 0, sizeof(float) * D);
-    for (int64_t j = 0; j < n; j++) ss_axpy(out, p[j] * inv, SS_ROW(vcache, j), D);
+    for (int64_t j = 0; j < n; j++)
+        ss_axpy(out, et == SS_KV_I8 ? p[j] * inv * vsc[slots[j] * KVH + kvh] : p[j] * inv, SS_ROW(vcache, j), D);
 #undef SS_ROW
 }
 
@@ -112,9 +146,10 @@ AI __m128 ss_hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // eight cache elements as floats (fp16 widened in the register: F16C's vcvtph2ps)
-AI __m256 ss_kv_load8(const char *row, int d, int f16) {
+AI __m256 ss_kv_load8(const char *row, int d, int et) {
+    if (et == SS_KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
 #if defined(SS_F16C)
-    if (f16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
+    if (et) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 #endif
     return _mm256_loadu_ps((const float *)row + d);
 }
@@ -122,13 +157,13 @@ AI __m256 ss_kv_load8(const char *row, int d, int f16) {
 
 // scores of HB query heads (q, D apart; HB <= 3) against four keys, D % 8 == 0: 4 HB accumulators, each key
 // vector loaded (and widened) once for all the heads
-AI void ss_scores_hx4(const float *q, const int HB, const char *const k[4], int D, const int f16, __m128 *s) {
+AI void ss_scores_hx4(const float *q, const int HB, const char *const k[4], int D, const int et, __m128 *s) {
     __m256 a[3][4];
     for (int h = 0; h < HB; h++)
         for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
         for (int j = 0; j < 4; j++) {
-            const __m256 kv = ss_kv_load8(k[j], d, f16);
+            const __m256 kv = ss_kv_load8(k[j], d, et);
             for (int h = 0; h < HB; h++) a[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), kv, a[h][j]);
         }
     }
@@ -137,19 +172,19 @@ AI void ss_scores_hx4(const float *q, const int HB, const char *const k[4], int 
 
 // out[h][d0 .. d0 + 8 W) = sum_i p[h][i] v_i[...] for HB heads (HB <= 3, W <= 4: 12 accumulators): each value
 // vector loaded (and widened) once for all the heads; p rows n apart, outputs D apart, scaled by inv[h]
-AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache, const int f16, int KVH, int kvh,
+AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache, const int et, int KVH, int kvh,
                      int D, const int64_t *slots, int d0, const int W, const float *inv, float *out) {
     __m256 acc[3][4];
     for (int h = 0; h < HB; h++)
         for (int t = 0; t < W; t++) acc[h][t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
-        const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+        const char *v = SS_KV_ROW(vcache, et, slots[i], KVH, kvh, D);
         if (i + SS_PREFETCH < n) {   // the row SS_PREFETCH ahead: the cache's rows are scattered over slots
-            const char *ahead = SS_KV_ROW(vcache, f16, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * (f16 ? 2 : 4);
-            for (int o = 0; o < 8 * W * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            const char *ahead = SS_KV_ROW(vcache, et, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * SS_KV_ESZ(et);
+            for (int o = 0; o < 8 * W * SS_KV_ESZ(et); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         __m256 vv[4];
-        for (int t = 0; t < W; t++) vv[t] = ss_kv_load8(v, d0 + 8 * t, f16);
+        for (int t = 0; t < W; t++) vv[t] = ss_kv_load8(v, d0 + 8 * t, et);
         for (int h = 0; h < HB; h++) {
             const __m256 pi = _mm256_broadcast_ss(p + h * n + i);
             for (int t = 0; t < W; t++) acc[h][t] = _mm256_fmadd_ps(pi, vv[t], acc[h][t]);
@@ -161,34 +196,38 @@ AI void ss_values_hx(const float *p, int64_t n, const int HB, const void *vcache
     }
 }
 
-// ss_attend_heads' vector body, specialised for the cache's element type (f16 a constant)
-AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const void *vcache, const int f16,
+// ss_attend_heads' vector body, specialised for the cache's element type (et a constant)
+AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const void *vcache, const int et,
+                               const float *ksc, const float *vsc,
                              int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                              float *p, float *out, float *ml) {
     const __m128 sc = _mm_set1_ps(scale);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const char *k[4];
-        for (int t = 0; t < 4; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
+        for (int t = 0; t < 4; t++) k[t] = SS_KV_ROW(kcache, et, slots[j + t], KVH, kvh, D);
+        const __m128 ks = et == SS_KV_I8 ? _mm_setr_ps(ksc[slots[j] * KVH + kvh], ksc[slots[j + 1] * KVH + kvh],
+                                                       ksc[slots[j + 2] * KVH + kvh], ksc[slots[j + 3] * KVH + kvh])
+                                         : _mm_setzero_ps();
         for (int t = 0; t < 4 && j + SS_PREFETCH + t < n; t++) {   // the keys SS_PREFETCH rows ahead
-            const char *ahead = SS_KV_ROW(kcache, f16, slots[j + SS_PREFETCH + t], KVH, kvh, D);
-            for (int o = 0; o < D * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            const char *ahead = SS_KV_ROW(kcache, et, slots[j + SS_PREFETCH + t], KVH, kvh, D);
+            for (int o = 0; o < D * SS_KV_ESZ(et); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         for (int h = 0; h < nh; h += 3) {   // the heads three at a time (a group of 4: 3 + 1)
             __m128 sv[3];
             const int hb = nh - h < 3 ? nh - h : 3;
-            if (hb == 3) ss_scores_hx4(q + h * D, 3, k, D, f16, sv);
-            else if (hb == 2) ss_scores_hx4(q + h * D, 2, k, D, f16, sv);
-            else ss_scores_hx4(q + h * D, 1, k, D, f16, sv);
-            for (int t = 0; t < hb; t++) _mm_storeu_ps(p + (h + t) * n + j, _mm_mul_ps(sv[t], sc));
+            if (hb == 3) ss_scores_hx4(q + h * D, 3, k, D, et, sv);
+            else if (hb == 2) ss_scores_hx4(q + h * D, 2, k, D, et, sv);
+            else ss_scores_hx4(q + h * D, 1, k, D, et, sv);
+            for (int t = 0; t < hb; t++) _mm_storeu_ps(p + (h + t) * n + j, _mm_mul_ps(et == SS_KV_I8 ? _mm_mul_ps(sv[t], ks) : sv[t], sc));
         }
     }
     for (; j < n; j++) {
-        const char *k = SS_KV_ROW(kcache, f16, slots[j], KVH, kvh, D);
+        const char *k = SS_KV_ROW(kcache, et, slots[j], KVH, kvh, D);
         for (int h = 0; h < nh; h++) {
             __m256 acc = _mm256_setzero_ps();
-            for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), ss_kv_load8(k, d, f16), acc);
-            p[h * n + j] = hsum256(acc) * scale;
+            for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), ss_kv_load8(k, d, et), acc);
+            p[h * n + j] = et == SS_KV_I8 ? hsum256(acc) * ksc[slots[j] * KVH + kvh] * scale : hsum256(acc) * scale;
         }
     }
     float inv[nh];   // 1 / each head's softmax sum
@@ -200,12 +239,14 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
         const float sum = ss_exp_shift(ph, n, mx);
         inv[h] = 1.0f / sum;
         if (ml) ml[2 * h] = mx, ml[2 * h + 1] = sum;
+        if (et == SS_KV_I8)   // the value weights take the V rows' scales: the codes then sum as they are
+            for (int64_t i = 0; i < n; i++) ph[i] *= vsc[slots[i] * KVH + kvh];
     }
     for (int h = 0; h < nh; h += 3) {   // the values: 32 output dims of up to three heads per pass over them
         const int hb = nh - h < 3 ? nh - h : 3;
         for (int d0 = 0; d0 < D; d0 += 32) {
             const int w = D - d0 < 32 ? (D - d0) / 8 : 4;
-#define SS_VAL(HB, W) ss_values_hx(p + h * n, n, HB, vcache, f16, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
+#define SS_VAL(HB, W) ss_values_hx(p + h * n, n, HB, vcache, et, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
 #define SS_VAL_W(HB) do { if (w == 4) SS_VAL(HB, 4); else if (w == 3) SS_VAL(HB, 3); \
                           else if (w == 2) SS_VAL(HB, 2); else SS_VAL(HB, 1); } while (0)
             if (hb == 3) SS_VAL_W(3);
@@ -222,8 +263,9 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 // The same on 512-bit vectors, D % 16 == 0: half the multiply-adds of the 256-bit body, and the values'
 // 64 output dims of up to four heads in one pass over them (the 256-bit body passes over the values once per
 // 32 dims). Scores: eight keys against up to three heads in 24 accumulators, reduced eight at a time.
-AI __m512 ss_kv_load16(const char *row, int d, const int f16) {
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+AI __m512 ss_kv_load16(const char *row, int d, const int et) {
+    if (et == SS_KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
+    if (et) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
     return _mm512_loadu_ps((const float *)row + d);
 }
 
@@ -245,32 +287,32 @@ AI __m256 ss_hsum8x16(const __m512 a[8]) {
 }
 
 // scores of HB query heads (q, D apart; HB <= 3) against eight keys
-AI void ss_scores_hx8(const float *q, const int HB, const char *const k[8], int D, const int f16, __m256 *s) {
+AI void ss_scores_hx8(const float *q, const int HB, const char *const k[8], int D, const int et, __m256 *s) {
     __m512 a[3][8];
     for (int h = 0; h < HB; h++)
         for (int j = 0; j < 8; j++) a[h][j] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16)
         for (int j = 0; j < 8; j++) {
-            const __m512 kv = ss_kv_load16(k[j], d, f16);
+            const __m512 kv = ss_kv_load16(k[j], d, et);
             for (int h = 0; h < HB; h++) a[h][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), kv, a[h][j]);
         }
     for (int h = 0; h < HB; h++) s[h] = ss_hsum8x16(a[h]);
 }
 
 // out[h][d0 .. d0 + 16 W) = inv[h] sum_i p[h][i] v_i[...] for HB heads (HB <= 4, W <= 4: 16 accumulators)
-AI void ss_values_hx16(const float *p, int64_t n, const int HB, const void *vcache, const int f16, int KVH, int kvh,
+AI void ss_values_hx16(const float *p, int64_t n, const int HB, const void *vcache, const int et, int KVH, int kvh,
                        int D, const int64_t *slots, int d0, const int W, const float *inv, float *out) {
     __m512 acc[4][4];
     for (int h = 0; h < HB; h++)
         for (int t = 0; t < W; t++) acc[h][t] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
-        const char *v = SS_KV_ROW(vcache, f16, slots[i], KVH, kvh, D);
+        const char *v = SS_KV_ROW(vcache, et, slots[i], KVH, kvh, D);
         if (i + SS_PREFETCH < n) {
-            const char *ahead = SS_KV_ROW(vcache, f16, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * (f16 ? 2 : 4);
-            for (int o = 0; o < 16 * W * (f16 ? 2 : 4); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+            const char *ahead = SS_KV_ROW(vcache, et, slots[i + SS_PREFETCH], KVH, kvh, D) + d0 * SS_KV_ESZ(et);
+            for (int o = 0; o < 16 * W * SS_KV_ESZ(et); o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         __m512 vv[4];
-        for (int t = 0; t < W; t++) vv[t] = ss_kv_load16(v, d0 + 16 * t, f16);
+        for (int t = 0; t < W; t++) vv[t] = ss_kv_load16(v, d0 + 16 * t, et);
         for (int h = 0; h < HB; h++) {
             const __m512 pi = _mm512_set1_ps(p[h * n + i]);
             for (int t = 0; t < W; t++) acc[h][t] = _mm512_fmadd_ps(pi, vv[t], acc[h][t]);
@@ -282,34 +324,43 @@ AI void ss_values_hx16(const float *p, int64_t n, const int HB, const void *vcac
     }
 }
 
-AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const void *vcache, const int f16,
+AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const void *vcache, const int et,
+                               const float *ksc, const float *vsc,
                                int KVH, int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
                                float *p, float *out, float *ml) {
     const __m256 sc = _mm256_set1_ps(scale);
-    const int row_bytes = D * (f16 ? 2 : 4);
+    const int row_bytes = D * SS_KV_ESZ(et);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         const char *k[8];
-        for (int t = 0; t < 8; t++) k[t] = SS_KV_ROW(kcache, f16, slots[j + t], KVH, kvh, D);
+        for (int t = 0; t < 8; t++) k[t] = SS_KV_ROW(kcache, et, slots[j + t], KVH, kvh, D);
+        __m256 ks = _mm256_setzero_ps();
+        if (et == SS_KV_I8) {
+            float kk[8];
+            for (int t = 0; t < 8; t++) kk[t] = ksc[slots[j + t] * KVH + kvh];
+            ks = _mm256_loadu_ps(kk);
+        }
         for (int t = 0; t < 8 && j + SS_PREFETCH + t < n; t++) {   // the keys SS_PREFETCH rows ahead
-            const char *ahead = SS_KV_ROW(kcache, f16, slots[j + SS_PREFETCH + t], KVH, kvh, D);
+            const char *ahead = SS_KV_ROW(kcache, et, slots[j + SS_PREFETCH + t], KVH, kvh, D);
             for (int o = 0; o < row_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         for (int h = 0; h < nh; h += 3) {
             __m256 sv[3];
             const int hb = nh - h < 3 ? nh - h : 3;
-            if (hb == 3) ss_scores_hx8(q + h * D, 3, k, D, f16, sv);
-            else if (hb == 2) ss_scores_hx8(q + h * D, 2, k, D, f16, sv);
-            else ss_scores_hx8(q + h * D, 1, k, D, f16, sv);
-            for (int t = 0; t < hb; t++) _mm256_storeu_ps(p + (h + t) * n + j, _mm256_mul_ps(sv[t], sc));
+            if (hb == 3) ss_scores_hx8(q + h * D, 3, k, D, et, sv);
+            else if (hb == 2) ss_scores_hx8(q + h * D, 2, k, D, et, sv);
+            else ss_scores_hx8(q + h * D, 1, k, D, et, sv);
+            for (int t = 0; t < hb; t++)
+                _mm256_storeu_ps(p + (h + t) * n + j, _mm256_mul_ps(et == SS_KV_I8 ? _mm256_mul_ps(sv[t], ks) : sv[t], sc));
         }
     }
     for (; j < n; j++) {
-        const char *k = SS_KV_ROW(kcache, f16, slots[j], KVH, kvh, D);
+        const char *k = SS_KV_ROW(kcache, et, slots[j], KVH, kvh, D);
         for (int h = 0; h < nh; h++) {
             __m512 acc = _mm512_setzero_ps();
-            for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), ss_kv_load16(k, d, f16), acc);
-            p[h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+            for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), ss_kv_load16(k, d, et), acc);
+            p[h * n + j] = et == SS_KV_I8 ? _mm512_reduce_add_ps(acc) * ksc[slots[j] * KVH + kvh] * scale
+                                          : _mm512_reduce_add_ps(acc) * scale;
         }
     }
     float inv[nh];
@@ -321,12 +372,14 @@ AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const
         const float sum = ss_exp_shift(ph, n, mx);
         inv[h] = 1.0f / sum;
         if (ml) ml[2 * h] = mx, ml[2 * h + 1] = sum;
+        if (et == SS_KV_I8)   // the value weights take the V rows' scales: the codes then sum as they are
+            for (int64_t i = 0; i < n; i++) ph[i] *= vsc[slots[i] * KVH + kvh];
     }
     for (int h = 0; h < nh; h += 4) {   // the values: 64 output dims of up to four heads per pass over them
         const int hb = nh - h < 4 ? nh - h : 4;
         for (int d0 = 0; d0 < D; d0 += 64) {
             const int w = D - d0 < 64 ? (D - d0) / 16 : 4;
-#define SS_VAL(HB, W) ss_values_hx16(p + h * n, n, HB, vcache, f16, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
+#define SS_VAL(HB, W) ss_values_hx16(p + h * n, n, HB, vcache, et, KVH, kvh, D, slots, d0, W, inv + h, out + h * D)
 #define SS_VAL_W(HB) do { if (w == 4) SS_VAL(HB, 4); else if (w == 3) SS_VAL(HB, 3); \
                           else if (w == 2) SS_VAL(HB, 2); else SS_VAL(HB, 1); } while (0)
             if (hb == 4) SS_VAL_W(4);
@@ -340,40 +393,45 @@ AI void ss_attend_heads_avx512(const float *q, int nh, const void *kcache, const
 }
 #endif
 
-// The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (fp32 rows, or
-// fp16 rows when f16): ss_attend for each, with every key and value row read once for all of them while
+// The query heads q[0..nh) (D apart) that share KV head kvh, against their n cached keys (rows of
+// fp32, fp16 or int8 elements, et; ksc, vsc: the int8 rows' scales): ss_attend for each, with every key and value row read once for all of them while
 // in cache. The 256-bit body (AVX2, or head sizes not a multiple of 16): scores of four keys against up to
 // three heads in 4 x 3 independent accumulators (no dependent chain of FMAs, one horizontal sum per four keys,
 // each key vector loaded and widened once for the three); values: 32 output dims of up to three heads stay in
 // registers while the values stream by, each value vector loaded and widened once for them. The 512-bit body
 // (AVX-512, head sizes a multiple of 16): eight keys by three heads, and 64 dims of four heads (above).
 // p: scratch of nh * n floats; ml (if not NULL): [nh][2] each head's score max and exp-sum (see ss_attend).
-static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int f16, int KVH,
-                                   int kvh, int D, const int64_t *slots, int64_t n, float scale, float cap,
-                                   float *p, float *out, float *ml) {
+static inline void ss_attend_heads(const float *q, int nh, const void *kcache, const void *vcache, int et,
+                                   const float *ksc, const float *vsc, int KVH, int kvh, int D, const int64_t *slots,
+                                   int64_t n, float scale, float cap, float *p, float *out, float *ml) {
 #if defined(SS_AVX512) && defined(SS_F16C)
     if (D % 16 == 0 && n > 0) {
-        if (f16) ss_attend_heads_avx512(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
-        else ss_attend_heads_avx512(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        if (et == SS_KV_F16) ss_attend_heads_avx512(q, nh, kcache, vcache, SS_KV_F16, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        else if (et == SS_KV_I8) ss_attend_heads_avx512(q, nh, kcache, vcache, SS_KV_I8, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        else ss_attend_heads_avx512(q, nh, kcache, vcache, SS_KV_F32, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
         return;
     }
 #endif
 #if defined(SS_AVX2)
     if (D % 8 == 0 && n > 0) {
 #if defined(SS_F16C)
-        if (f16) {
-            ss_attend_heads_avx2(q, nh, kcache, vcache, 1, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        if (et == SS_KV_F16) {
+            ss_attend_heads_avx2(q, nh, kcache, vcache, SS_KV_F16, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
             return;
         }
 #endif
-        if (!f16) {
-            ss_attend_heads_avx2(q, nh, kcache, vcache, 0, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+        if (et == SS_KV_I8) {
+            ss_attend_heads_avx2(q, nh, kcache, vcache, SS_KV_I8, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
+            return;
+        }
+        if (et == SS_KV_F32) {
+            ss_attend_heads_avx2(q, nh, kcache, vcache, SS_KV_F32, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out, ml);
             return;
         }
     }
 #endif
     for (int h = 0; h < nh; h++)
-        ss_attend(q + h * D, kcache, vcache, f16, KVH, kvh, D, slots, n, scale, cap, p, out + h * D,
+        ss_attend(q + h * D, kcache, vcache, et, ksc, vsc, KVH, kvh, D, slots, n, scale, cap, p, out + h * D,
                   ml ? ml + 2 * h : NULL);
 }
 

@@ -692,7 +692,7 @@ static void attention_prefetch_row(const SSModel *m, const SSStep *s, const SSLa
     int64_t n;
     const int64_t *sl = attention_slots(s, L, b, &n);
     if ((aux & 0xff) != 0 || context_parts(n) != 1) return;
-    const int64_t row = (int64_t)m->kv_heads * m->head_dim * (L->kv_f16 ? 2 : 4);
+    const int64_t row = (int64_t)m->kv_heads * m->head_dim * SS_KV_ESZ(L->kv_type);
     for (int64_t i = 0; i < n; i++) {
         const char *k = (const char *)L->kcache + sl[i] * row, *v = (const char *)L->vcache + sl[i] * row;
         for (int64_t o = 0; o < row; o += 64) {
@@ -719,7 +719,7 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
     const float *q = s->qkv + (int64_t)b * (H + 2 * KVH) * D + h0 * D;
     float *out = s->attn.f + (int64_t)b * H * D + h0 * D;
     if (parts == 1) {
-        ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_f16, KVH, kvh, D, sl, n, m->attn_scale,
+        ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_type, L->kscale, L->vscale, KVH, kvh, D, sl, n, m->attn_scale,
                         m->attn_softcap, tl_scores, out, NULL);
     } else {
         float *mine = attn_part + (int64_t)(b * KVH + kvh) * MAX_PARTS * group * (D + 2);
@@ -727,7 +727,7 @@ static void attention(const SSModel *m, const SSStep *s, const SSLayer *L, int b
         int did = 0;
         for (int part = task; part < parts; part += tasks, did++) {
             const int64_t lo = n * part / parts, hi = n * (part + 1) / parts;
-            ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_f16, KVH, kvh, D, sl + lo, hi - lo, m->attn_scale,
+            ss_attend_heads(q, group, L->kcache, L->vcache, L->kv_type, L->kscale, L->vscale, KVH, kvh, D, sl + lo, hi - lo, m->attn_scale,
                             m->attn_softcap, tl_scores, mine + (int64_t)part * group * D, ml + part * group * 2);
         }
         // release our parts; the task whose parts complete the count (acquiring everyone's) merges them
@@ -978,9 +978,9 @@ static void run_task(const SSModel *m, const SSStep *s, const SSTask *t, int exa
                 } else if (hd < H + KVH) {
                     if (L->k_norm) ss_rmsnorm_row(v, L->k_norm, D, m->eps, v);
                     ss_rope_head(v, cs, sn, m->rotary);
-                    if (slot >= 0) ss_kv_store(L->kcache, L->kv_f16, slot, KVH, hd - H, D, v);
+                    if (slot >= 0) ss_kv_store(L->kcache, L->kscale, L->kv_type, slot, KVH, hd - H, D, v);
                 } else if (slot >= 0) {
-                    ss_kv_store(L->vcache, L->kv_f16, slot, KVH, hd - H - KVH, D, v);
+                    ss_kv_store(L->vcache, L->vscale, L->kv_type, slot, KVH, hd - H - KVH, D, v);
                 }
             }
         }

@@ -42,14 +42,15 @@ typedef struct SSMoe {
 typedef struct {
     SSMat qkv, o, gate_up, down;
     const float *attn_norm, *ffn_norm, *q_norm, *k_norm;
-    void *kcache, *vcache;    // [slots][KVH][D], fp32 or (kv_f16) IEEE fp16 elements
+    void *kcache, *vcache;    // [slots][KVH][D] elements of type kv_type (ops.h: SS_KV_F32, SS_KV_F16, SS_KV_I8)
     // Gemma: RMSNorms of the attention and MLP outputs before their residual adds (NULL: none)
     const float *post_attn_norm, *post_ffn_norm;
     int32_t window;           // sliding-window layer: a row sees its last `window` positions (0: all)
     int32_t rope_local;       // this layer rotates with the step's local RoPE tables
-    int32_t kv_f16;           // the cache holds fp16 (K and V rounded when stored, widened when read)
+    int32_t kv_type;          // SS_KV_F32, SS_KV_F16 (rounded when stored, widened when read) or SS_KV_I8
     int32_t local_slots;      // the cache is addressed through the step's local slots (Gemma's hybrid cache)
     const SSMoe *moe;         // a mixture-of-experts FFN instead of gate_up/down (NULL: dense)
+    float *kscale, *vscale;   // SS_KV_I8: [slots][KVH] the K and V rows' scales (else NULL)
 } SSLayer;
 
 typedef struct {
