@@ -7,6 +7,7 @@
 //
 //   gcc -O3 -march=native -ffp-contract=off -Islipstream/kernels/cpu -o /tmp/attention_cold benchmarks/attention_cold.c -lm
 //   /tmp/attention_cold 100
+//   /tmp/attention_cold 100 i8     (the int8 cache: codes and a scale per row, ops.h SS_KV_I8)
 #include <stdio.h>
 #include <stdlib.h>
 #include <stdint.h>
@@ -18,11 +19,15 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 
 int main(int argc, char **argv) {
     const int n = argc > 1 ? atoi(argv[1]) : 100, LAYERS = 30, ROWS = 8, KVH = 3, D = 64, GROUP = 3;
-    const size_t per_layer = (size_t)ROWS * n * KVH * D;   // fp16 elements of K (and of V) per layer
-    uint16_t *k = malloc(2 * per_layer * LAYERS), *v = malloc(2 * per_layer * LAYERS);
-    for (size_t i = 0; i < per_layer * LAYERS; i++) {
-        k[i] = ss_f32_to_half((float)rand() / RAND_MAX - 0.5f);
-        v[i] = ss_f32_to_half((float)rand() / RAND_MAX - 0.5f);
+    const int et = argc > 2 && argv[2][0] == 'i' ? SS_KV_I8 : SS_KV_F16, esz = SS_KV_ESZ(et);
+    const size_t per_layer = (size_t)ROWS * n * KVH * D;   // elements of K (and of V) per layer
+    char *k = malloc(esz * per_layer * LAYERS), *v = malloc(esz * per_layer * LAYERS);
+    float *ks = malloc(sizeof(float) * per_layer * LAYERS / D), *vs = malloc(sizeof(float) * per_layer * LAYERS / D);
+    for (size_t r = 0; r < per_layer * LAYERS / D; r++) {
+        float kr[64], vr[64];
+        for (int d = 0; d < D; d++) kr[d] = (float)rand() / RAND_MAX - 0.5f, vr[d] = (float)rand() / RAND_MAX - 0.5f;
+        ss_kv_store(k, ks, et, (int64_t)r, 1, 0, D, kr);
+        ss_kv_store(v, vs, et, (int64_t)r, 1, 0, D, vr);
     }
     int64_t *slots = malloc(sizeof(int64_t) * ROWS * n);
     for (int i = 0; i < ROWS * n; i++) slots[i] = i;
@@ -36,16 +41,18 @@ int main(int argc, char **argv) {
                 for (int b = 0; b < ROWS; b++) {
                     const size_t off = warm ? 0 : (size_t)L * per_layer;
                     for (int kvh = 0; kvh < KVH; kvh++)
-                        ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off, v + off, SS_KV_F16, NULL, NULL, KVH, kvh, D, slots + b * n,
+                        ss_attend_heads(q + kvh * GROUP * D, GROUP, k + off * esz, v + off * esz, et, ks + off / D,
+                                        vs + off / D, KVH, kvh, D, slots + b * n,
                                         n, 0.125f, 0.f, p, out + kvh * GROUP * D, NULL);
                 }
             const double dt = now() - t;
             if (dt < best) best = dt;
         }
-        printf("n=%d %s: %.0f us per step's attention, %.1f ns per (row, layer, KV head, token), %.1f GB/s of cache\n",
-               n, warm ? "warm (layer 0's rows, in L2)" : "cold (every layer's rows)", best * 1e6,
-               best * 1e9 / ((double)LAYERS * ROWS * KVH * n), 4.0 * per_layer * LAYERS / best / 1e9);
+        printf("n=%d %s %s: %.0f us per step's attention, %.1f ns per (row, layer, KV head, token), %.1f GB/s of cache\n",
+               n, et == SS_KV_I8 ? "int8" : "fp16", warm ? "warm (layer 0's rows, in L2)" : "cold (every layer's rows)",
+               best * 1e6, best * 1e9 / ((double)LAYERS * ROWS * KVH * n),
+               2.0 * (esz * D + (et == SS_KV_I8 ? 4 : 0)) * (per_layer / D) * LAYERS / best / 1e9);
     }
-    free(k), free(v), free(slots), free(p);
+    free(k), free(v), free(ks), free(vs), free(slots), free(p);
     return 0;
 }
