@@ -84,12 +84,12 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
 
 
 def check_native_step_against(hf, model, vocab: int, tokens: int, chunks: tuple[int, ...], exact: bool,
-                              num_blocks: int = 16) -> None:
+                              num_blocks: int = 16, kv_dtype=None) -> None:
     """A family on the native CPU step against transformers' `hf` on the same weights: the first
     `chunks[-1]` of `tokens` random tokens as prompt chunks ending at each of `chunks` (rows of the
     step), the rest as decode steps. The exact path stays within float32 noise (2e-4) with the same
     greedy tokens; the fast path (int8 activations) stays close and may flip only near ties of a random
-    model, never pick a clearly worse token."""
+    model, never pick a clearly worse token. `kv_dtype`: the cache's element type (default: the model's)."""
     import torch
 
     from slipstream.kernels.cpu import load_library
@@ -101,7 +101,7 @@ def check_native_step_against(hf, model, vocab: int, tokens: int, chunks: tuple[
     toks = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([toks])).logits[0].float()
-    kv = model.new_kv_cache(num_blocks=num_blocks, block_size=4)
+    kv = model.new_kv_cache(num_blocks=num_blocks, block_size=4, **({"dtype": kv_dtype} if kv_dtype else {}))
     team = CpuTeamDecoder(model, kv, exact=exact)
     seq = SequenceKV(kv)
     spans = list(zip((0,) + chunks[:-1], chunks)) + [(p, p + 1) for p in range(chunks[-1], tokens)]

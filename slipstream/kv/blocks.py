@@ -35,6 +35,20 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.round().clamp_(-127, 127).to(torch.int8), scale
 
 
+def int8_store(codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Rows x [len(slots), KVH, D] into an int8 layer cache (codes [slots, KVH, D], scales [slots, KVH])."""
+    c, s = int8_rows(x)
+    codes.index_copy_(0, slots, c)
+    scales.index_copy_(0, slots, s)
+
+
+def int8_read(codes: torch.Tensor, scales: torch.Tensor, at: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    """An int8 layer cache's rows at `at` (a [start, end) range or an index tensor) as float32 values."""
+    if isinstance(at, tuple):
+        return codes[at[0]:at[1]].float() * scales[at[0]:at[1], :, None]
+    return codes.index_select(0, at).float() * scales.index_select(0, at)[..., None]
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -169,25 +183,37 @@ class PagedKVCache(_BlockCache):
             self.k_scale[:, slots].zero_()
             self.v_scale[:, slots].zero_()
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer `layer`'s K and V rows [len(slots), KVH, D] written at `slots` (rounded to the cache's type)."""
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(K, V, addressed through local slots?) of a model layer: here every layer's own rows."""
+        return self.k[layer], self.v[layer], False
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An int8 cache's K and V scale planes of a model layer ([slots, KVH] each), else (None, None)."""
         if self.k_scale is None or self.v_scale is None:
-            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A model layer's K and V rows [len(slots), KVH, D] written at `slots` (the layer's own slots: local
+        ones for a hybrid cache's sliding layers), rounded to the cache's type."""
+        lk, lv, _ = self.layer_cache(layer)
+        ks, vs = self.layer_scales(layer)
+        if ks is None or vs is None:
+            lk.index_copy_(0, slots, k.to(lk.dtype))
+            lv.index_copy_(0, slots, v.to(lv.dtype))
             return
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            codes, scale = int8_rows(x)
-            cache[layer].index_copy_(0, slots, codes)
-            scales[layer].index_copy_(0, slots, scale)
+        int8_store(lk, ks, slots, k)
+        int8_store(lv, vs, slots, v)
 
     def read(self, layer: int, at: tuple[int, int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V rows at slots `at` (a [start, end) range or an index tensor), as stored:
-        the cache's own dtype, or float32 values (codes x scales) for an int8 cache."""
-        pick = (lambda t: t[at[0]:at[1]]) if isinstance(at, tuple) else (lambda t: t.index_select(0, at))
-        k, v = pick(self.k[layer]), pick(self.v[layer])
-        if self.k_scale is None or self.v_scale is None:
-            return k, v
-        return (k.float() * pick(self.k_scale[layer])[..., None], v.float() * pick(self.v_scale[layer])[..., None])
+        """A model layer's K and V rows at its slots `at` (a [start, end) range or an index tensor), as
+        stored: the cache's own dtype, or float32 values (codes x scales) for an int8 cache."""
+        lk, lv, _ = self.layer_cache(layer)
+        ks, vs = self.layer_scales(layer)
+        if ks is None or vs is None:
+            pick = (lambda t: t[at[0]:at[1]]) if isinstance(at, tuple) else (lambda t: t.index_select(0, at))
+            return pick(lk), pick(lv)
+        return int8_read(lk, ks, at), int8_read(lv, vs, at)
 
 
 class HybridKVCache(PagedKVCache):
@@ -211,9 +237,6 @@ class HybridKVCache(PagedKVCache):
                  head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if not any(sliding) or all(sliding):
             raise ValueError("a hybrid cache needs both sliding and global layers")
-        if dtype == torch.int8:
-            raise SlipstreamError("the int8 KV cache does not cover Gemma's hybrid cache (sliding-window layers "
-                                  "beside global ones); use --kv-cache-dtype fp16")
         super().__init__(sum(not s for s in sliding), num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.local_window = window
         n_local = sum(sliding)
@@ -223,10 +246,18 @@ class HybridKVCache(PagedKVCache):
         shape = (n_local, (num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k_local = torch.empty(shape, dtype=dtype, device=device)
         self.v_local = torch.empty(shape, dtype=dtype, device=device)
+        self.k_local_scale: torch.Tensor | None = None   # an int8 cache's scales of the local parts
+        self.v_local_scale: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_local_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
+            self.v_local_scale = torch.empty(shape[:3], dtype=torch.float32, device=device)
         self.spare_part = num_blocks                    # the last part: zeros, never handed out
         rows = slice(num_blocks * block_size, (num_blocks + 1) * block_size)
         self.k_local[:, rows].zero_()
         self.v_local[:, rows].zero_()
+        if self.k_local_scale is not None and self.v_local_scale is not None:
+            self.k_local_scale[:, rows].zero_()
+            self.v_local_scale[:, rows].zero_()
         self._free_parts = list(range(num_blocks - 1, -1, -1))    # pop() hands out low parts first
         self._kept_parts: OrderedDict[int, None] = OrderedDict()   # blocks whose unheld part is kept (LRU)
         self.local_ref = [0] * num_blocks               # sequences holding each block's part
@@ -238,6 +269,14 @@ class HybridKVCache(PagedKVCache):
         """(K, V, addressed through `local_slots`?) of a model layer."""
         sliding, i = self.layer_index[layer]
         return (self.k_local[i], self.v_local[i], True) if sliding else (self.k[i], self.v[i], False)
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        sliding, i = self.layer_index[layer]
+        if sliding:
+            if self.k_local_scale is None or self.v_local_scale is None:
+                return None, None
+            return self.k_local_scale[i], self.v_local_scale[i]
+        return super().layer_scales(i)
 
     def local_slots(self, slots: torch.Tensor | tuple[int, int]) -> torch.Tensor:
         """Where the sliding layers keep the tokens of these (global) slots; the spare's zeros where a

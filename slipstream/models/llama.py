@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
-from slipstream.kv.blocks import HybridKVCache, PagedKVCache
+from slipstream.kv.blocks import HybridKVCache, PagedKVCache, int8_read
 from slipstream.step import SeqSlice, StepInput
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear, matvec_only, rows_invariant
@@ -190,15 +190,16 @@ class DecoderModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor | tuple[PagedKVCache, int], layer_v: torch.Tensor | None,
+    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                   layer_v: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                    s: SeqSlice, scale: float | None = None, window: int | None = None,
                    softcap: float | None = None) -> torch.Tensor:
         """q [len, H, D] against the sequence's cached keys -> [len, H, D]; with `window`, a query
         sees only the keys less than `window` positions behind it (sliding-window layers); with
         `softcap`, scores become softcap * tanh(scores / softcap) before the mask (Gemma 2).
-        layer_k, layer_v: the layer's K and V tensors, or (an int8 cache, the layer) and None."""
-        if isinstance(layer_k, tuple):   # an int8 cache: its rows' values, codes x scales
-            k, v = layer_k[0].read(layer_k[1], s.read)
+        layer_k, layer_v: the layer's K and V rows, or an int8 cache's (codes, scales) of each."""
+        if isinstance(layer_k, tuple) and isinstance(layer_v, tuple):   # int8: the rows' values, codes x scales
+            k, v = int8_read(*layer_k, s.read), int8_read(*layer_v, s.read)
         elif isinstance(s.read, tuple):
             k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
         else:
@@ -297,7 +298,8 @@ class DecoderModel:
                 at = local_step if local else step
             if lk.dtype == torch.int8:   # codes and scales (kv.store); attention reads them back as values
                 kv.store(li, at.write_slots, k, v)
-                lk, lv = (kv, li), None
+                ks, vs = kv.layer_scales(li)
+                lk, lv = (lk, ks), (lv, vs)
             else:
                 lk.index_copy_(0, at.write_slots, k.to(lk.dtype))
                 lv.index_copy_(0, at.write_slots, v.to(lv.dtype))

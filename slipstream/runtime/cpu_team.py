@@ -316,11 +316,12 @@ class CpuTeamDecoder:
 
     @staticmethod
     def _kv_scales(kv: Any, i: int) -> tuple[int | None, int | None]:
-        """Layer i's K and V scale planes (an int8 cache), else NULLs."""
-        ks, vs = getattr(kv, "k_scale", None), getattr(kv, "v_scale", None)
+        """Model layer i's K and V scale planes (an int8 cache; a hybrid cache's local ones for its sliding
+        layers), else NULLs."""
+        ks, vs = kv.layer_scales(i) if hasattr(kv, "layer_scales") else (None, None)
         if ks is None or vs is None:
             return None, None
-        return ks[i].data_ptr(), vs[i].data_ptr()
+        return ks.data_ptr(), vs.data_ptr()
 
     def _moe_ptr(self, i: int) -> Any:
         st = self._moe[i]

@@ -91,3 +91,22 @@ def test_the_next_turn_reuses_the_prefix_with_its_last_window(model):
     assert llm.engine.prefix_cache.hit_tokens - hits >= 4 * BLOCK     # most of the first turn was reused
     fresh = _llm(path, "native", True, enable_prefix_cache=False).generate([turn], params)[0]
     assert again.token_ids == fresh.token_ids
+
+
+@pytest.mark.parametrize("runtime", ["native", "eager"])
+def test_an_int8_cache_gives_back_parts_and_keeps_its_tokens(model, runtime):
+    """`--kv-cache-dtype int8` on the hybrid cache: codes and scales in the sliding layers' parts too; giving back
+    the parts behind the window changes no token (they are never read again) and every part and block comes
+    back, on the native fast path and the eager step."""
+    from slipstream import SamplingParams
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs = []
+    for drop in (True, False):
+        llm = _llm(model[1], runtime, False, kv_cache_dtype="int8")
+        kv = llm.engine.kv
+        assert kv.k_local.dtype == torch.int8 and kv.k_local_scale is not None
+        if not drop:
+            kv.local_window = 10 ** 6
+        outs.append(llm.generate(["abc"], params)[0].token_ids)
+        assert kv.parts_held == 0 and kv.allocator.num_in_use == 0
+    assert outs[0] == outs[1] and len(outs[0]) == NEW

@@ -99,3 +99,9 @@ def test_native_step_matches_transformers(pair, exact):
     as rows of the step, then decode rows. Exact path within float32 noise of transformers; the fast
     path (int8 activations) close, choosing the same tokens up to near ties."""
     check_native_step_against(*pair, VOCAB, 20, (9, 14), exact, num_blocks=12)
+
+
+def test_native_step_over_an_int8_cache(pair):
+    """The fast path over an int8 KV cache on Gemma 3's hybrid cache (the sliding layers' parts keep scale
+    planes of their own): as close to transformers as the fast path's own tolerance, the same near-tie rule."""
+    check_native_step_against(*pair, VOCAB, 20, (9, 14), False, num_blocks=12, kv_dtype=torch.int8)

@@ -6,8 +6,8 @@ the eager runtime) writes and reads the same codes through PagedKVCache.store/re
 What must hold: the native step and the eager step store the same codes and scales for the same K and V
 rows (up to the rows' own fp32 noise); the native fast path over an int8 cache stays as close to the eager
 fp32 reference as over an fp16 one within a stated margin, and its greedy picks differ only at near-ties of
-the reference; bytes per token are D + 4 per row; the exact path, Gemma's hybrid cache and models without a
-dtype choice refuse it in one clear error; a long (eager) prompt, prefix reuse and decoding work through LLM."""
+the reference; bytes per token are D + 4 per row; Gemma's hybrid cache keeps scales for its sliding layers'
+parts; the exact path and models without a dtype choice refuse it in one clear error; a long (eager) prompt, prefix reuse and decoding work through LLM."""
 from __future__ import annotations
 
 import pytest
@@ -70,8 +70,26 @@ def test_bytes_per_token_and_refusals(smollm2):
     assert kv_cache_dtype("int8", "eager", smollm2) == torch.int8
     with pytest.raises(SlipstreamError, match="exact"):
         kv_cache_dtype("int8", "native", smollm2, exact=True)
-    with pytest.raises(SlipstreamError, match="hybrid"):
-        HybridKVCache([True, False], 8, 4, 16, 2, 16, dtype=torch.int8)
+
+
+def test_hybrid_cache_keeps_scales_for_its_local_parts():
+    """Gemma's hybrid cache in int8: the sliding layers' parts have scale planes of their own, the spare part
+    reads as zeros, and store/read address each layer's own rows."""
+    kv = HybridKVCache([True, False, True], 8, 4, 4, 2, 16, dtype=torch.int8)
+    assert kv.k_local_scale is not None and kv.k_local_scale.shape == (2, 20, 2)
+    assert kv.k_scale is not None and kv.k_scale.shape == (1, 16, 2)
+    spare = slice(16, 20)
+    assert not kv.k_local[:, spare].any() and not kv.k_local_scale[:, spare].any()
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    slots = torch.tensor([1, 5, 9])
+    for layer in range(3):
+        kv.store(layer, slots, k * (layer + 1), v)
+    for layer in range(3):
+        rk, _ = kv.read(layer, slots)
+        torch.testing.assert_close(rk, k * (layer + 1), rtol=0, atol=float((k * (layer + 1)).abs().max()) / 127)
+    ks, _ = kv.layer_scales(1)
+    assert ks is not None and ks.data_ptr() == kv.k_scale[0].data_ptr()   # the global layer: the global planes
 
 
 def test_native_and_eager_store_the_same_codes(smollm2):
