@@ -267,6 +267,16 @@ def _load(args: argparse.Namespace, config=None):
     return llm
 
 
+def _kv_note(llm: Any) -> str:
+    """', KV cache N tokens (dtype)' for the startup line: how much context the cache holds, in what element type."""
+    kv = llm.engine.kv
+    tokens, k = getattr(kv, "capacity_tokens", None), getattr(kv, "k", None)
+    if tokens is None:
+        return ""
+    dtype = str(k.dtype).removeprefix("torch.").replace("float", "fp") if k is not None else ""
+    return f", KV cache {tokens} tokens{' ' + dtype if dtype else ''}"
+
+
 def _template_note(llm) -> None:
     """Say which chat format is used when the model file had none (a built-in family template)."""
     source = getattr(getattr(llm, "tokenizer", None), "chat_template_source", None) or ""
@@ -424,7 +434,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _progress("")
     _template_note(llm)
     print(f"{llm.model_name} loaded in {time.perf_counter() - t0:.1f} s ({llm.engine.runtime_name} runtime, "
-          f"context {llm.max_model_len}); serving as {args.served_model_name or llm.model_name!r}"
+          f"context {llm.max_model_len}{_kv_note(llm)}); serving as {args.served_model_name or llm.model_name!r}"
           f"; {_api_access_line(server_config, args.host, args.port)}", file=sys.stderr, flush=True)
     run_server(llm, server_config, host=args.host, port=args.port, log_level=args.log_level,
                access_log=not args.no_access_log, allowed_hosts=allowed)

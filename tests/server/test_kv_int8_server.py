@@ -1,7 +1,8 @@
 """`slipstream serve --kv-cache-dtype int8` driven the way a user would: the real `openai` client against a real
 server on 127.0.0.1. Streams and plain requests over the 8-bit cache (a long prompt prefilled by the eager step,
 short ones on the native step, concurrently), the same greedy answer twice (the second from the prefix cache),
-a client that leaves mid-stream, and every KV block back once the server is idle."""
+a client that leaves mid-stream, every KV block back once the server is idle, and the startup line naming
+the cache's element type."""
 from __future__ import annotations
 
 import threading
@@ -63,3 +64,4 @@ def test_int8_cache_serves_streams_and_frees_its_blocks(start_server):
         time.sleep(0.1)
     assert m["slipstream_kv_blocks_in_use"] == 0, "leaked KV blocks"
     assert "Traceback" not in srv.log()
+    assert "int8" in next(line for line in srv.log().splitlines() if "loaded in" in line)   # the startup line says so
