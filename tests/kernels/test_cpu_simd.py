@@ -138,12 +138,14 @@ def test_rows8_default_comes_from_the_build_and_the_cpu():
 
 @pytest.mark.skipif(not TWIN or not _amx(True), reason="no AMX tiles on this CPU, build or kernel")
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q4_F32, Q8_0])
-@pytest.mark.parametrize("rows,k", [(2, 352), (4, 64), (8, 352), (8, 1536), (13, 96)])
+@pytest.mark.parametrize("rows,k", [(2, 352), (4, 64), (8, 352), (8, 1536), (13, 96), (8, 448), (8, 576), (6, 416)])
 def test_amx_tiles_agree_with_the_vector_kernels(fmt: int, rows: int, k: int):
     """The batched fast products on AMX tiles (kernels/cpu/amx.h) against their vector twin (bitwise: the
     same int32 group sums, the same fp32 sequence), the AVX2 builds' kernels (twin off; fp32 rounding apart)
     and the reference. 88 weight rows are five tiles of 16 and 8 rows left to the twin; K of 64, 96, 352 and
-    1536 give fewer groups than the tiles keep in flight, partial blocks of four groups and long rows."""
+    1536 give fewer groups than the tiles keep in flight, partial blocks of four groups and long rows; the
+    pair loop runs four pairs at a time and then 0-3 more (K = 1536: 24 pairs, 576: 9, 352: 6, 448: 7, and 416:
+    13 groups, the last pair's second group empty)."""
     w = _random_packed(fmt, 88, k, seed=fmt + rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)) * 2
     try:
