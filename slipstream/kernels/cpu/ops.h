@@ -24,8 +24,8 @@ static inline void ss_rope_head(float *v, const float *cs, const float *sn, int 
 }
 
 // -- fp16 KV rows ----------------------------------------------------------------------------------
-// The KV cache holds fp32 or IEEE fp16 rows (SSLayer.kv_type = SS_KV_F16): K and V are rounded to fp16 (nearest,
-// ties to even, as torch's .to(float16)) when stored and widened to fp32 in registers when read.
+// The KV cache holds fp32, IEEE fp16 (SSLayer.kv_type = SS_KV_F16) or int8 rows (below). fp16: K and V rounded
+// (nearest, ties to even, as torch's .to(float16)) when stored and widened to fp32 in registers when read.
 #if defined(SS_AVX2) && defined(__F16C__)
 #define SS_F16C 1
 #endif
@@ -149,7 +149,7 @@ AI __m128 ss_hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
 AI __m256 ss_kv_load8(const char *row, int d, int et) {
     if (et == SS_KV_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
 #if defined(SS_F16C)
-    if (et) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
+    if (et == SS_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 #endif
     return _mm256_loadu_ps((const float *)row + d);
 }
@@ -265,7 +265,7 @@ AI void ss_attend_heads_avx2(const float *q, int nh, const void *kcache, const v
 // 32 dims). Scores: eight keys against up to three heads in 24 accumulators, reduced eight at a time.
 AI __m512 ss_kv_load16(const char *row, int d, const int et) {
     if (et == SS_KV_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + d))));
-    if (et) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
+    if (et == SS_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d)));
     return _mm512_loadu_ps((const float *)row + d);
 }
 
