@@ -42,11 +42,11 @@ def int8_store(codes: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x
     scales.index_copy_(0, slots, s)
 
 
-def int8_read(codes: torch.Tensor, scales: torch.Tensor, at: tuple[int, int] | torch.Tensor) -> torch.Tensor:
-    """An int8 layer cache's rows at `at` (a [start, end) range or an index tensor) as float32 values."""
-    if isinstance(at, tuple):
-        return codes[at[0]:at[1]].float() * scales[at[0]:at[1], :, None]
-    return codes.index_select(0, at).float() * scales.index_select(0, at)[..., None]
+def read_rows(rows: torch.Tensor, scales: torch.Tensor | None, at: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    """A layer cache's rows at `at` (a [start, end) range: a view; an index tensor: gathered) as stored, or,
+    for an int8 cache (`scales` [slots, KVH]), their float32 values codes x scales."""
+    pick = (lambda t: t[at[0]:at[1]]) if isinstance(at, tuple) else (lambda t: t.index_select(0, at))
+    return pick(rows) if scales is None else pick(rows).float() * pick(scales)[..., None]
 
 
 class BlockAllocator:
@@ -210,10 +210,7 @@ class PagedKVCache(_BlockCache):
         stored: the cache's own dtype, or float32 values (codes x scales) for an int8 cache."""
         lk, lv, _ = self.layer_cache(layer)
         ks, vs = self.layer_scales(layer)
-        if ks is None or vs is None:
-            pick = (lambda t: t[at[0]:at[1]]) if isinstance(at, tuple) else (lambda t: t.index_select(0, at))
-            return pick(lk), pick(lv)
-        return int8_read(lk, ks, at), int8_read(lv, vs, at)
+        return read_rows(lk, ks, at), read_rows(lv, vs, at)
 
 
 class HybridKVCache(PagedKVCache):

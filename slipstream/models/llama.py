@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from slipstream.config import ModelConfig
 from slipstream.errors import ModelLoadError
-from slipstream.kv.blocks import HybridKVCache, PagedKVCache, int8_read
+from slipstream.kv.blocks import HybridKVCache, PagedKVCache, read_rows
 from slipstream.step import SeqSlice, StepInput
 from slipstream.weights.layers import LlamaLayer
 from slipstream.weights.quant import Linear, matvec_only, rows_invariant
@@ -190,20 +190,15 @@ class DecoderModel:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                   layer_v: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    def _attention(self, q: torch.Tensor, layer_k: torch.Tensor, layer_v: torch.Tensor,
                    s: SeqSlice, scale: float | None = None, window: int | None = None,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None,
+                   scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> torch.Tensor:
         """q [len, H, D] against the sequence's cached keys -> [len, H, D]; with `window`, a query
         sees only the keys less than `window` positions behind it (sliding-window layers); with
         `softcap`, scores become softcap * tanh(scores / softcap) before the mask (Gemma 2).
-        layer_k, layer_v: the layer's K and V rows, or an int8 cache's (codes, scales) of each."""
-        if isinstance(layer_k, tuple) and isinstance(layer_v, tuple):   # int8: the rows' values, codes x scales
-            k, v = int8_read(*layer_k, s.read), int8_read(*layer_v, s.read)
-        elif isinstance(s.read, tuple):
-            k, v = layer_k[s.read[0]:s.read[1]], layer_v[s.read[0]:s.read[1]]
-        else:
-            k, v = layer_k.index_select(0, s.read), layer_v.index_select(0, s.read)
+        `scales`: an int8 cache's K and V scale planes (its rows then read as codes x scales)."""
+        k, v = read_rows(layer_k, scales[0], s.read), read_rows(layer_v, scales[1], s.read)
         out_dtype = q.dtype
         if q.is_cuda:   # attention in the cache's dtype: bf16 reaches the fused SDPA kernels
             q = q.to(k.dtype)
@@ -275,8 +270,7 @@ class DecoderModel:
             x = x * torch.tensor(c.embed_scale, dtype=torch.float32)
         rope_full = self._rope_tables(step.positions) if self.longrope is None else self.longrope.tables(step)
         rope_local = None if self.inv_freq_local is None else self._rope_tables(step.positions, self.inv_freq_local)
-        hybrid = kv if isinstance(kv, HybridKVCache) else None
-        local_step = _local_step(step, hybrid) if hybrid is not None else None
+        local_step = _local_step(step, kv) if isinstance(kv, HybridKVCache) else None
         for li, L in enumerate(self.layers):
             sliding = c.is_sliding(li)
             cos, sin = rope_local if sliding and rope_local is not None else rope_full
@@ -291,24 +285,16 @@ class DecoderModel:
                 k = F.rms_norm(k, (D,), L.k_norm, eps)
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
-            if hybrid is None or local_step is None:
-                lk, lv, at = kv.k[li], kv.v[li], step
-            else:   # Gemma's hybrid cache: the sliding layers address their own parts
-                lk, lv, local = hybrid.layer_cache(li)
-                at = local_step if local else step
-            if lk.dtype == torch.int8:   # codes and scales (kv.store); attention reads them back as values
-                kv.store(li, at.write_slots, k, v)
-                ks, vs = kv.layer_scales(li)
-                lk, lv = (lk, ks), (lv, vs)
-            else:
-                lk.index_copy_(0, at.write_slots, k.to(lk.dtype))
-                lv.index_copy_(0, at.write_slots, v.to(lv.dtype))
+            lk, lv, local = kv.layer_cache(li)   # Gemma's hybrid cache: the sliding layers address their own parts
+            at = local_step if local and local_step is not None else step
+            kv.store(li, at.write_slots, k, v)   # rounded to the cache's type (int8: codes and scales)
+            scales = kv.layer_scales(li)
             cap = c.attn_softcap
             if len(at.seqs) == 1:
-                attn = self._attention(q, lk, lv, at.seqs[0], c.attn_scale, window, cap)
+                attn = self._attention(q, lk, lv, at.seqs[0], c.attn_scale, window, cap, scales)
             else:
                 attn = torch.cat([self._attention(q[s.start:s.start + s.length], lk, lv, s, c.attn_scale,
-                                                  window, cap) for s in at.seqs])
+                                                  window, cap, scales) for s in at.seqs])
             if L.post_attn_norm is None:
                 L.o(attn.reshape(T, qd), out=x, accumulate=True)
             else:   # Gemma: the attention output is normalized before the residual add

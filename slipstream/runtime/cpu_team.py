@@ -33,10 +33,9 @@ from slipstream.runtime.cpu_load import NeighbourLoad, team_size
 from slipstream.step import DecodeRows
 from slipstream.weights.moe import MoeLayer
 
-# the KV cache's element types the step reads and writes: fp32, or fp16 (K and V rounded to half precision
-# when stored, widened in registers when attention reads them: half the bytes attention streams)
-KV_DTYPES = (torch.float32, torch.float16, torch.int8)
-# ops.h's element types (SSLayer.kv_type); int8: codes with a float32 scale per row in kv.k_scale, kv.v_scale
+# the KV cache's element types the step reads and writes, numbered as ops.h's SSLayer.kv_type: fp32; fp16 (K and
+# V rounded to half precision when stored, widened in registers when attention reads them: half the bytes
+# attention streams); int8 (codes with a float32 scale per row in the cache's scale planes)
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
 
 
@@ -241,8 +240,8 @@ class CpuTeamDecoder:
         kv_dtype = kv.k.dtype
         # Gemma's hybrid cache: the sliding layers keep their window in parts of their own (kv.blocks)
         self._hybrid = isinstance(kv, HybridKVCache)
-        caches = [kv.layer_cache(i) if self._hybrid else (kv.k[i], kv.v[i], False) for i in range(model.cfg.num_layers)]
-        if kv_dtype not in KV_DTYPES or kv.v.dtype != kv_dtype or {kv.k.device.type, kv.v.device.type} != {"cpu"}:
+        caches = [kv.layer_cache(i) for i in range(model.cfg.num_layers)]
+        if kv_dtype not in KV_TYPES or kv.v.dtype != kv_dtype or {kv.k.device.type, kv.v.device.type} != {"cpu"}:
             raise RuntimeError("the native runtime needs a float32, float16 or int8 KV cache on the CPU")
         self.lib = load_library()
         self.model = model
@@ -318,7 +317,7 @@ class CpuTeamDecoder:
     def _kv_scales(kv: Any, i: int) -> tuple[int | None, int | None]:
         """Model layer i's K and V scale planes (an int8 cache; a hybrid cache's local ones for its sliding
         layers), else NULLs."""
-        ks, vs = kv.layer_scales(i) if hasattr(kv, "layer_scales") else (None, None)
+        ks, vs = kv.layer_scales(i)
         if ks is None or vs is None:
             return None, None
         return ks.data_ptr(), vs.data_ptr()
