@@ -83,6 +83,47 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
     return b.reshape(n, -1)
 
 
+def teacher_forced(model, prompts: list[list[int]], runs: dict, steps: int) -> dict:
+    """Logits per decode step of the eager step and of native steps, all fed the eager step's greedy tokens.
+    `runs`: name -> (exact, KV dtype) with exact None for the eager step (which must be named "eager"); every
+    run's prompts are prefilled eagerly into its own cache. -> name -> [steps] of [len(prompts), vocab]."""
+    from slipstream.kv.blocks import SequenceKV
+    from slipstream.runtime.cpu_team import CpuTeamDecoder
+    kv = {n: model.new_kv_cache(64, dtype=dt) for n, (_, dt) in runs.items()}
+    teams = {n: CpuTeamDecoder(model, kv[n], exact=bool(ex)) for n, (ex, _) in runs.items() if ex is not None}
+    seqs = {n: [SequenceKV(kv[n]) for _ in prompts] for n in runs}
+    tokens: list[int] = []
+    for n in runs:
+        outs = [model.forward(prefill_step(s, p, extra=steps + 2), kv[n]) for p, s in zip(prompts, seqs[n])]
+        if n == "eager":
+            tokens = [int(o.argmax()) for o in outs]
+    positions = [len(p) for p in prompts]
+    out: dict = {n: [] for n in runs}
+    for _ in range(steps):
+        le = model.forward(decode_step(seqs["eager"], tokens, positions), kv["eager"])
+        out["eager"].append(le)
+        for n, team in teams.items():
+            out[n].append(team.forward(decode_step(seqs[n], tokens, positions)))
+        tokens = le.argmax(-1).tolist()
+        positions = [p + 1 for p in positions]
+    return out
+
+
+def assert_flips_only_at_near_ties(ref: list, a: list, b: list, what: str, gap: float = 1.0, slack: int = 3) -> None:
+    """Greedy picks of two runs (per step, [rows, vocab] logits) agree except where the reference's top two
+    are within `gap`, and at most `slack` times in all."""
+    agree = total = 0
+    for le, la, lb in zip(ref, a, b):
+        for r in range(le.shape[0]):
+            total += 1
+            if int(la[r].argmax()) == int(lb[r].argmax()):
+                agree += 1
+                continue
+            top = le[r].topk(2).values
+            assert (top[0] - top[1]).item() < gap, f"{what} disagree where the reference is no tie"
+    assert agree >= total - slack, (agree, total)
+
+
 def check_native_step_against(hf, model, vocab: int, tokens: int, chunks: tuple[int, ...], exact: bool,
                               num_blocks: int = 16, kv_dtype=None) -> None:
     """A family on the native CPU step against transformers' `hf` on the same weights: the first
