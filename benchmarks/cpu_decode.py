@@ -212,7 +212,7 @@ def _bench(gen: Callable[[], RunResult], runs: int) -> list[RunResult]:
 
 # -- engines (run inside the child process) -------------------------------------------------------
 def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, threads: int,
-                   exact: bool = False, batch: int = 1) -> EngineResult:
+                   exact: bool = False, batch: int = 1, kv_cache_dtype: str = "auto") -> EngineResult:
     import torch
     torch.set_num_threads(threads)
     os.environ.setdefault("SLIPSTREAM_THREADS", str(threads))
@@ -221,8 +221,7 @@ def run_slipstream(model: Path, ids: list[int], max_tokens: int, runs: int, thre
 
     t = time.perf_counter()
     # no prefix cache: every timed run must prefill its whole prompt (the runs repeat one prompt)
-    kv_dtype = os.environ.get("CPU_DECODE_KV_CACHE_DTYPE", "auto")   # the parent's --kv-cache-dtype
-    llm = LLM(str(model), exact=exact, enable_prefix_cache=False, kv_cache_dtype=kv_dtype)
+    llm = LLM(str(model), exact=exact, enable_prefix_cache=False, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - t
     if batch > 1:
         return _slipstream_batch(llm, ids, max_tokens, runs, batch, load_s, exact)
@@ -356,7 +355,9 @@ RUNNERS: dict[str, Callable[..., EngineResult]] = {
 
 def child_main(args: argparse.Namespace) -> int:
     ids = json.loads(Path(args.prompt_ids_file).read_text())
-    extra: dict[str, int] = {"batch": args.batch} if args.engine.startswith("slipstream") and args.batch > 1 else {}
+    extra: dict[str, int | str] = {"batch": args.batch} if args.engine.startswith("slipstream") and args.batch > 1 else {}
+    if args.engine.startswith("slipstream"):
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     if args.engine == "llama.cpp":
         extra["n_batch"] = args.llama_batch
     res = RUNNERS[args.engine](Path(args.model), ids, args.max_tokens, args.runs, args.threads, **extra)
@@ -422,12 +423,11 @@ def run_child(engine: str, args: argparse.Namespace, ids_file: Path) -> EngineRe
         cmd = [sys.executable, os.path.abspath(__file__), "--engine", engine, "--json", str(out),
                "--model", str(args.model), "--prompt-ids-file", str(ids_file),
                "--runs", str(args.runs), "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-               "--batch", str(args.batch), "--llama-batch", str(args.llama_batch)]
+               "--batch", str(args.batch), "--llama-batch", str(args.llama_batch),
+               "--kv-cache-dtype", args.kv_cache_dtype]
         from slipstream import peer_environ  # llama.cpp gets the user's OpenMP wait policy, not ours
         env = dict(os.environ if engine.startswith("slipstream") else peer_environ(), OMP_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_OFFLINE="1")
-        if args.kv_cache_dtype != "auto" and engine.startswith("slipstream"):
-            env["CPU_DECODE_KV_CACHE_DTYPE"] = args.kv_cache_dtype
         if args.march and engine.startswith("slipstream"):
             env["SLIPSTREAM_MARCH"] = args.march     # e.g. x86-64-v3: the AVX2 build on an AVX-512 machine
         if args.llama_path and engine == "llama.cpp":
