@@ -1,7 +1,9 @@
 """Where the time of one CPU decode step goes: the native runtime's own per-opcode profile.
 
 Runs decode steps of the native runtime (one native call per step, a persistent thread team running
-the step's task table) over a context of `--context` tokens, and reports:
+the step's task table) over a context of `--context` tokens, the same step over and over at that position
+(as step_ab.py does; `--grow` advances the position every step instead, so the context grows by `--steps`),
+and reports:
 
 * the median step time and tok/s (batch `--batch`), fast and exact paths;
 * per opcode (QKV, attention, O, gate/up, down, LM head, ...): busy and waiting milliseconds per step
@@ -9,7 +11,7 @@ the step's task table) over a context of `--context` tokens, and reports:
   (`ss_profile`), and the tasks per step;
 * the bytes of weights a step reads and the rate that implies.
 
-    python benchmarks/cpu_step_profile.py [--model PATH] [--context 256] [--steps 60] [--batch 1]
+    python benchmarks/cpu_step_profile.py [--model PATH] [--context 256] [--steps 60] [--batch 1] [--grow]
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--grow", action="store_true",
+                    help="advance the position every step (the context grows by --steps; the only mode "
+                         "before 2026-12-04, so older figures span context .. context + steps)")
     args = ap.parse_args()
 
     from slipstream import LLM
@@ -60,7 +65,8 @@ def main() -> None:
             tokens = dec.forward(decode_step(seqs, tokens, pos), tokens_only=True).tolist()
             if n >= 3:
                 times.append(time.perf_counter() - t)
-            pos = [p + 1 for p in pos]
+            if args.grow:
+                pos = [p + 1 for p in pos]
         lib.ss_profile(0, prof.ctypes.data)
         for s in seqs:
             s.release()
