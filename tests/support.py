@@ -83,6 +83,10 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0, size: float = 0.0):
     return b.reshape(n, -1)
 
 
+# the KV-cache element-type tests' batch of four prompts (lengths 3, 7, 1 and 7) for teacher_forced
+CACHE_PROMPTS = [[1, 22, 333], [5, 6, 7, 8, 9, 10, 11], [42], [1, 504, 3458, 282, 4649, 30, 17]]
+
+
 def teacher_forced(model, prompts: list[list[int]], runs: dict, steps: int) -> dict:
     """Logits per decode step of the eager step and of native steps, all fed the eager step's greedy tokens.
     `runs`: name -> (exact, KV dtype) with exact None for the eager step (which must be named "eager"); every

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import (assert_flips_only_at_near_ties, decode_step, prefill_step, skip_unless_default_model,
-                     teacher_forced)
+from support import CACHE_PROMPTS, assert_flips_only_at_near_ties, decode_step, prefill_step, teacher_forced
 
 from slipstream.engine.config import EngineConfig, EngineConfigError
 from slipstream.errors import SlipstreamError
@@ -24,23 +23,12 @@ from slipstream.runtime.registry import kv_cache_dtype
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
 
-PROMPTS = [[1, 22, 333], [5, 6, 7, 8, 9, 10, 11], [42], [1, 504, 3458, 282, 4649, 30, 17]]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaModel:
-    skip_unless_default_model()
-    from slipstream.weights import load_model
-    m = load_model(None)
-    return LlamaModel(m.config, m.weights)
-
-
 def _teacher_forced(model: LlamaModel, steps: int) -> dict[str, list[torch.Tensor]]:
     """Logits per step of the eager step (fp32 cache) and of the native step with (fast|exact, fp32|fp16)
     caches, all fed the eager step's greedy tokens."""
     runs = {"eager": (None, torch.float32), "fast32": (False, torch.float32), "fast16": (False, torch.float16),
             "exact16": (True, torch.float16)}
-    return teacher_forced(model, PROMPTS, runs, steps)
+    return teacher_forced(model, CACHE_PROMPTS, runs, steps)
 
 
 def test_fp16_cache_on_the_native_step(smollm2):
@@ -70,7 +58,7 @@ def test_native_and_eager_read_the_same_fp16_cache(smollm2):
     kv = smollm2.new_kv_cache(32, dtype=torch.float16)
     team = CpuTeamDecoder(smollm2, kv, exact=True)
     seq = SequenceKV(kv)
-    prompt = PROMPTS[3]
+    prompt = CACHE_PROMPTS[3]
     team.forward(prefill_step(seq, prompt, extra=4))          # the team writes the prompt's rows
     k_team = kv.k[:, :len(prompt)].clone()
     kv2 = smollm2.new_kv_cache(32, dtype=torch.float16)

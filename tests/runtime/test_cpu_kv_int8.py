@@ -12,27 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import assert_flips_only_at_near_ties, prefill_step, skip_unless_default_model, teacher_forced
+from support import CACHE_PROMPTS, assert_flips_only_at_near_ties, prefill_step, teacher_forced
 
 from slipstream.errors import SlipstreamError
 from slipstream.kernels.cpu import load_library
 from slipstream.kv.blocks import HybridKVCache, PagedKVCache, SequenceKV, int8_rows
-from slipstream.models.llama import LlamaModel
 from slipstream.runtime.cpu_team import CpuTeamDecoder
 from slipstream.runtime.registry import kv_cache_dtype
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
-
-PROMPTS = [[1, 22, 333], [5, 6, 7, 8, 9, 10, 11], [42], [1, 504, 3458, 282, 4649, 30, 17]]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaModel:
-    skip_unless_default_model()
-    from slipstream.weights import load_model
-    m = load_model(None)
-    return LlamaModel(m.config, m.weights)
-
 
 def test_int8_rows_round_trip():
     g = torch.Generator().manual_seed(0)
@@ -96,7 +84,7 @@ def test_native_and_eager_store_the_same_codes(smollm2):
     """The team's prompt rows and eager's, for the same prompt: the same scales to the rows' fp32 noise (one row
     measured 3e-3 relative apart, the exact path's sums in another order) and codes at
     most one step apart (where the fp32 inputs, summed in another order, sit at a rounding boundary)."""
-    prompt = PROMPTS[3]
+    prompt = CACHE_PROMPTS[3]
     caches = []
     for eager in (False, True):
         kv = smollm2.new_kv_cache(32, dtype=torch.int8)
@@ -121,7 +109,7 @@ def test_int8_cache_on_the_native_fast_path(smollm2):
     this model), greedy picks that differ from the fp16 cache's only at near-ties of the reference."""
     # prompts prefilled eagerly (the int8 cache through PagedKVCache.store)
     runs = {"eager": (None, torch.float32), "fast16": (False, torch.float16), "fast8": (False, torch.int8)}
-    out = teacher_forced(smollm2, PROMPTS, runs, 8)
+    out = teacher_forced(smollm2, CACHE_PROMPTS, runs, 8)
     rel = {n: sorted(((lt - le).norm() / le.norm()).item() for le, lt in zip(out["eager"], out[n]))
            for n in ("fast16", "fast8")}
     median = {n: r[len(r) // 2] for n, r in rel.items()}

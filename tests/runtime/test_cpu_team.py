@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
-from support import decode_step, prefill_step, skip_unless_default_model
+from support import decode_step, prefill_step
 
 from slipstream.kernels.cpu import load_library
 from slipstream.kv.blocks import SequenceKV
@@ -23,14 +23,6 @@ from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="native CPU kernels unavailable")
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaModel:
-    skip_unless_default_model()
-    from slipstream.weights import load_model
-    m = load_model(None)
-    return LlamaModel(m.config, m.weights)
 
 
 def _quantize(w: Linear, bits: int) -> Linear:
