@@ -407,7 +407,7 @@ AI void amx_unpack(const uint8_t *w, int64_t row_bytes, int g, int G, uint8_t *b
     const __mmask64 k = ng == 4 ? ~0ULL : (1ULL << (16 * ng)) - 1;
     for (int r = 0; r < 16; r++) {
         const __m512i raw = _mm512_maskz_loadu_epi8(k, w + r * row_bytes + 16 * g);
-        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = ss_hi4_512(raw, m4);
         _mm512_store_si512(buf + 128 * r, _mm512_permutex2var_epi64(lo, mix0, hi));
         _mm512_store_si512(buf + 128 * r + 64, _mm512_permutex2var_epi64(lo, mix1, hi));
     }
@@ -643,7 +643,7 @@ AI void twin_rows_of(const void *wq, const void *sc, const void *mn, const void 
                     const uint8_t *p = (const uint8_t *)wq + (n + rr) * row_bytes;
                     if (q4) {
                         const __m512i raw = _mm512_maskz_loadu_epi8(k, p + 16 * g4);
-                        w0[r] = _mm512_and_si512(raw, m4), w1[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                        w0[r] = _mm512_and_si512(raw, m4), w1[r] = ss_hi4_512(raw, m4);
                     } else {   // groups g4, g4+1 and g4+2, g4+3 (past G: zero codes, read as 128 after the flip)
                         const __mmask64 k0 = ng >= 2 ? ~0ULL : (1ULL << (32 * ng)) - 1;
                         const __mmask64 k1 = ng >= 4 ? ~0ULL : ng <= 2 ? 0 : (1ULL << (32 * (ng - 2))) - 1;
@@ -760,7 +760,7 @@ AI void twin16_rows_of(const void *wq, const void *sc, const void *mn, const voi
                 twin16_codes(rows, (int64_t)g * (q4 ? 16 : 32), q4 ? 1 : 2, w);
                 if (q4) {
                     for (int j = 3; j >= 0; j--)
-                        w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(w[j], 4), m4), w[j] = _mm512_and_si512(w[j], m4);
+                        w[4 + j] = ss_hi4_512(w[j], m4), w[j] = _mm512_and_si512(w[j], m4);
                 } else {
                     for (int j = 0; j < 8; j++) w[j] = _mm512_xor_si512(w[j], flip);
                 }

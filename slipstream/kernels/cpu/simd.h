@@ -44,6 +44,31 @@
 #endif
 
 #define AI static inline __attribute__((always_inline))
+
+#if defined(SS_AVX2)
+// A q4 byte's high nibble as a code 0..15. Where the CPU has GFNI, one affine byte transform (result bit i =
+// source bit i + 4 for i < 4, else 0) instead of a 16-bit shift and a mask: the same codes with one operation
+// fewer on the vector ports (the AMX tiles' unpack at 8 rows: amx_kernels.c q4 in cache 218 -> 236 MAC/ns)
+#define SS_GF_HI4 0x1020408000000000LL
+AI __m256i ss_hi4_256(__m256i v, __m256i m4) {
+#if defined(__GFNI__)
+    (void)m4;
+    return _mm256_gf2p8affine_epi64_epi8(v, _mm256_set1_epi64x(SS_GF_HI4), 0);
+#else
+    return _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#endif
+}
+#if defined(SS_AVX512)
+AI __m512i ss_hi4_512(__m512i v, __m512i m4) {
+#if defined(__GFNI__)
+    (void)m4;
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(SS_GF_HI4), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#endif
+}
+#endif
+#endif
 // A mutable setting that more than one of the library's units reads (step.c, step_qt.c): one definition shared by
 // all (weak: the header that holds it is included by each), hidden from the library's exports
 #define SS_SHARED __attribute__((weak, visibility("hidden")))
@@ -430,7 +455,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
         _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {   // one pair at a time: few live registers at 8 rows
             const __m256i idx = j == 0 ? i01 : j == 1 ? i23 : j == 2 ? i45 : i67;
             const __m256i r = _mm256_loadu_si256((const __m256i *)(w + (g + 2 * j) * 16));
-            const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+            const __m256i lo = _mm256_and_si256(r, m4), hi = ss_hi4_256(r, m4);
             const __m256 sp = _mm256_permutevar8x32_ps(s8, idx);
             SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
                 const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + (g + 2 * j) * 4);
@@ -445,7 +470,7 @@ AI void q4p_row(const uint8_t *w, const void *sc, const void *mn, int half, int 
         const __m128 m2 = mn ? _mm256_castps256_ps128(q4p_scales2(mn, half, g))
                              : _mm_mul_ps(_mm256_castps256_ps128(q4p_scales2(sc, half, g)), _mm_set1_ps(-8.f));
         const __m256i r = _mm256_loadu_si256((const __m256i *)(w + g * 16));
-        const __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+        const __m256i lo = _mm256_and_si256(r, m4), hi = ss_hi4_256(r, m4);
         SS_UNROLL_ROWS for (int b = 0; b < nb; b++) {
             const __m256 d = _mm256_loadu_ps(xe + (int64_t)b * 4 * G + g * 4);
             acc[b] = _mm256_fmadd_ps(_mm256_mul_ps(sp, d), _mm256_cvtepi32_ps(q4p_pair(lo, hi, xp + (int64_t)b * K + g * 32)), acc[b]);
@@ -537,7 +562,7 @@ AI void q4i_group(const uint8_t *const w[8], const void *sc8, const void *mn8, i
     rows8_t16(w, 16 * (int64_t)g, c);
     __m256i q[8];   // q[j]: elements 4j..4j+3 of every row
     for (int j = 0; j < 4; j++)
-        q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = _mm256_and_si256(_mm256_srli_epi16(c[j], 4), m4);
+        q[j] = _mm256_and_si256(c[j], m4), q[4 + j] = ss_hi4_256(c[j], m4);
     if (pf) __builtin_prefetch(pf + 128 * (int64_t)g, 0, 2), __builtin_prefetch(pf + 128 * (int64_t)g + 64, 0, 2);
     __m256 s8, o8;
 #if defined(__F16C__)
