@@ -271,10 +271,11 @@ def gguf_tokenizer(w) -> None:
     w.add_eos_token_id(95)
 
 
-def tiny_llama_gguf(path, types: dict, ffn: int = 256, size: float = 0.05, seed: int = 0):
+def tiny_llama_gguf(path, types: dict, ffn: int = 256, size: float = 0.05, seed: int = 0, floats: str = "float32"):
     """A one-layer llama GGUF of hidden size 256 with the 96-token vocabulary (`gguf_tokenizer`), runnable by `LLM`
     and the CLI: the tensors named in `types` ("token_embd", "blk.0.ffn_down", ...) as random valid blocks of that
-    ggml type (`random_blocks`, magnitude `size`), the other matrices float32 N(0, size^2), unit norms."""
+    ggml type (`random_blocks`, magnitude `size`), the other matrices N(0, size^2) stored as `floats` (float32 or
+    float16: an F16 file), unit norms."""
     import gguf
     import numpy as np
 
@@ -293,7 +294,7 @@ def tiny_llama_gguf(path, types: dict, ffn: int = 256, size: float = 0.05, seed:
             qt = gguf.GGMLQuantizationType(int(types[name]))
             w.add_tensor(name + ".weight", random_blocks(int(qt), n, k, size=size), raw_dtype=qt)
         else:
-            w.add_tensor(name + ".weight", (rng.standard_normal((n, k)) * size).astype(np.float32))
+            w.add_tensor(name + ".weight", (rng.standard_normal((n, k)) * size).astype(floats))
     for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
         w.add_tensor(name + ".weight", np.ones(256, np.float32))
     w.write_header_to_file()

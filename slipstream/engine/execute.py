@@ -147,7 +147,7 @@ class StepExecutor:
 
         When their tokens fit the runtime's prefill capacity they go to the runtime's own step, one
         row per token: a burst of prompts no longer stalls the streams behind a slow eager step.
-        Otherwise chunks of at least DENSE_FROM_ROWS tokens run together through the BLAS path,
+        Otherwise chunks of at least `dense_from_rows` tokens run together through the BLAS path,
         shorter ones together through the matvec kernels: each chunk is computed exactly as it would
         be alone (both paths are row-invariant), so batching never changes a request's tokens.
         """
@@ -155,9 +155,16 @@ class StepExecutor:
             return []
         if not self.needs_hidden and sum(e - s for _, s, e in chunks) <= prefill_capacity(self.runtime):
             return [PrefillBatch(chunks, on_runtime=True)]
-        long = [c for c in chunks if c[2] - c[1] >= DENSE_FROM_ROWS]
-        short = [c for c in chunks if c[2] - c[1] < DENSE_FROM_ROWS]
+        dense = self.dense_from_rows
+        long = [c for c in chunks if c[2] - c[1] >= dense]
+        short = [c for c in chunks if c[2] - c[1] < dense]
         return ([PrefillBatch(long)] if long else []) + ([PrefillBatch(short, matvec=True)] if short else [])
+
+    @property
+    def dense_from_rows(self) -> int:
+        """Prompt chunks of at least this many tokens take the eager step's BLAS products (the runtime's
+        `eager_dense_from_rows` where it has one: fewer for 16-bit float weights; else DENSE_FROM_ROWS)."""
+        return int(getattr(self.runtime, "eager_dense_from_rows", DENSE_FROM_ROWS))
 
     def prefill(self, batch: PrefillBatch) -> tuple[list[Request], torch.Tensor]:
         """Compute a batch of prompt chunks: the requests whose prompt is now complete (their next
@@ -179,7 +186,7 @@ class StepExecutor:
         if batch.on_runtime:
             logits = self.runtime.forward(step)
         else:   # the eager step, its BLAS products as the runtime asks (bf16, fixed row blocks; weights.quant)
-            with blas_mode(getattr(self.runtime, "eager_blas", "fp32")):
+            with blas_mode(getattr(self.runtime, "eager_blas", "fp32"), self.dense_from_rows):
                 logits = self.forward(step) if self.needs_hidden else self.model.forward(step, self.kv).cpu()
         row = 0
         for r, start, end in batch.chunks:

@@ -250,6 +250,12 @@ class CpuTeamDecoder:
         self._vocab = int(model.embed.n)   # the embedding's rows: the native lookup trusts its token ids
         if not self.exact and long_chunks_native(self.lib, model):
             self.prefill_tokens = self.prefill_tokens_long
+        elif not self.exact and code_share(model) <= 1 - self.prefill_tile_share:
+            # 16-bit float weights (F16/BF16 files): the step runs their rows one at a time (~5-6 ms a prompt row
+            # for the default model's F16 file on the Sapphire Rapids Xeon), the eager BLAS step a chunk in ~45-70
+            # ms + ~1 ms a row (docs/BENCHMARKS.md): chunks from `float_eager_from` tokens on go there
+            self.prefill_tokens = self.float_eager_from - 1
+            self.eager_dense_from_rows = self.float_eager_from
         # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
         # exact path row by row alike whatever the batch; the fast path in bf16 where AMX runs it
         bf16 = bool(self.lib.ss_amx_active()) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
@@ -381,6 +387,7 @@ class CpuTeamDecoder:
     # take prompt rows 8 at a time against weight blocks in L1, ~2x the eager fp32 GEMM's speed on the EPYCs
     prefill_tokens = 64
     prefill_tokens_long = 512
+    float_eager_from = 16
     prefill_tile_share = 0.9
 
     def _buffers(self, rows: int, out_rows: int) -> _Buffers:

@@ -116,21 +116,30 @@ def rows_invariant() -> bool:
 BLAS_MODES = ("fp32", "fp32-fixed", "bf16")
 
 
+def dense_from_rows() -> int:
+    """The activation rows from which packed products take BLAS within this block (`blas_mode`'s
+    `dense_from_rows`; DENSE_FROM_ROWS outside one)."""
+    return int(getattr(_path, "dense_from", DENSE_FROM_ROWS))
+
+
 @contextlib.contextmanager
-def blas_mode(mode: str) -> Iterator[None]:
+def blas_mode(mode: str, dense_from_rows: int | None = None) -> Iterator[None]:
     """How the BLAS path of packed weights (long prompt chunks: the eager step) multiplies within this block:
     "fp32": one fp32 GEMM per chunk (the default); "fp32-fixed": fp32, BLAS_ROWS rows per call, so a row's
     result never depends on the rows beside it (the exact path: `CpuTeamDecoder.eager_blas`); "bf16": the
     weights widened to bf16, the activations rounded to it (the fast path's eager step on AMX machines, where
-    oneDNN's bf16 tiles run it ~7x faster than fp32: benchmarks/prefill_bf16.py)."""
+    oneDNN's bf16 tiles run it ~7x faster than fp32: benchmarks/prefill_bf16.py). `dense_from_rows`: from how many
+    rows a product takes BLAS here (default DENSE_FROM_ROWS): one number for every product of the step, so that
+    a chunk's path never depends on the chunks beside it (engine/execute.py splits the chunks by it)."""
     if mode not in BLAS_MODES:
         raise ValueError(f"unknown BLAS mode {mode!r} ({', '.join(BLAS_MODES)})")
-    old = getattr(_path, "blas", "fp32")
+    old, old_from = getattr(_path, "blas", "fp32"), getattr(_path, "dense_from", DENSE_FROM_ROWS)
     _path.blas = mode
+    _path.dense_from = DENSE_FROM_ROWS if dense_from_rows is None else max(1, int(dense_from_rows))
     try:
         yield
     finally:
-        _path.blas = old
+        _path.blas, _path.dense_from = old, old_from
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -467,7 +476,9 @@ class Linear:
         block types straight to bf16 by the native decoder, without an fp32 copy of the matrix."""
         if self.parts:
             return torch.cat([p.widen_bf16(lib) for p in self.parts])
-        if self.blocks and self.fmt not in (1, 30) and self.data.device.type == "cpu":
+        if self.blocks and self.fmt == 30 and self.data.device.type == "cpu":   # BF16: the file's own bits
+            return self.data.contiguous().view(torch.bfloat16).reshape(self.n, self.k)
+        if self.blocks and self.data.device.type == "cpu":
             out = torch.empty(self.n, self.k, dtype=torch.bfloat16)
             data = self.data.contiguous()   # held until the call returns (a copy when the rows are a view)
             lib.ss_qt_dequant_bf16(self.fmt, data.data_ptr(), 0, self.n, self.k, out.data_ptr())
@@ -568,7 +579,7 @@ class Linear:
             w = self._widened() if self.fmt is not None and self.data.device.type != "cpu" else self.dequantize()
             bias = None if self.bias is None else self.bias.to(w.dtype)
             if (getattr(_path, "blas", "fp32") == "fp32-fixed" and w.device.type == "cpu" and w.dtype == torch.float32
-                    and x.dim() == 2 and x.shape[0] >= DENSE_FROM_ROWS):   # dense fp32 on the exact path: row blocks
+                    and x.dim() == 2 and x.shape[0] >= dense_from_rows()):   # dense fp32 on the exact path: row blocks
                 y = _blas_rows(x.to(torch.float32).contiguous(), w, bias, "fp32-fixed").to(x.dtype)
             else:
                 y = torch.nn.functional.linear(x.to(w.dtype), w, bias).to(x.dtype)
@@ -582,7 +593,7 @@ class Linear:
             return out.add_(y) if accumulate else out.copy_(y)
         rows = x.shape[0]
         x = x.to(torch.float32).contiguous()
-        if rows >= DENSE_FROM_ROWS and not getattr(_path, "matvec_only", False):
+        if rows >= dense_from_rows() and not getattr(_path, "matvec_only", False):
             mode = getattr(_path, "blas", "fp32")
             y = _blas_rows(x, self.widen_bf16(lib) if mode == "bf16" else self.widen(lib), self.bias, mode)
             if out is None:

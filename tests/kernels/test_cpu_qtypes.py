@@ -142,6 +142,30 @@ def test_widening_to_bf16_is_the_fp32_widening_rounded(qt: QT) -> None:
     assert torch.equal(both.widen_bf16(lib), torch.cat([kq.widen(lib), w.widen(lib)]).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("qt", [QT.F16, QT.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("k", [512, 100, 3])
+def test_float_weights_to_bf16(qt: QT, k: int) -> None:
+    """F16 and BF16 weights for the eager bf16 step: BF16 rows as they are, F16 rows rounded to nearest, ties to
+    even (the vector bodies and the scalar tail alike): torch's fp32 widening cast to bf16, a NaN kept a NaN."""
+    lib = load_library()
+    n = 37
+    dt = torch.float16 if qt == QT.F16 else torch.bfloat16
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 3).to(dt)
+    w[0, :3] = torch.tensor([float("inf"), -0.0, float("nan")])
+    w[1, :2] = torch.tensor([-float("inf"), 6e-8 if qt == QT.F16 else 1e-30])
+    w.view(torch.int16)[2, 0] = -1   # a NaN with a payload
+    if qt == QT.F16:
+        w[3] = 1 + 2 ** -8 + 2 ** -9   # halfway between two bf16 values with an odd last bit (rounds up)
+        w[4] = 1 + 2 ** -9             # halfway, even last bit (rounds down)
+    raw = w.contiguous().view(torch.uint8).numpy()
+    for lin in (Linear.from_raw(int(qt), raw, n, k, reblock=False),
+                Linear.from_raw(int(qt), np.concatenate([raw, raw], axis=1)[:, :2 * k], n, k, reblock=False)):
+        got, ref = lin.widen_bf16(lib), w.float().to(torch.bfloat16)
+        nan = torch.isnan(ref.float())
+        assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        assert torch.isnan(got.float()[nan]).all() and nan.sum() >= 2
+
+
 def test_stacked_parts_of_different_types() -> None:
     """A Q4_K_M-style fused QKV: Q/K re-blocked from Q4_K, V raw Q6_K, plus an F32 part and a bias."""
     k = 256

@@ -607,8 +607,13 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
                                         (f16, False, False)):
         team = CpuTeamDecoder(model, model.new_kv_cache(16))
         native = tiles_take_it if amx else x86 and codes
-        assert team.prefill_tokens == (512 if native else 64), (model is f16, amx, x86)
-        assert CpuTeamDecoder(model, model.new_kv_cache(16), exact=True).prefill_tokens == 64
+        floats = CpuTeamDecoder.float_eager_from - 1   # 16-bit float weights: chunks from 16 tokens run eagerly
+        assert team.prefill_tokens == (512 if native else 64 if codes else floats), (model is f16, amx, x86)
+        assert getattr(team, "eager_dense_from_rows", None) == (None if codes else floats + 1)
+        exact = CpuTeamDecoder(model, model.new_kv_cache(16), exact=True)
+        assert exact.prefill_tokens == 64 and not hasattr(exact, "eager_dense_from_rows")
+    team = CpuTeamDecoder(dense, dense.new_kv_cache(16))   # dense fp32 weights: the same as F16
+    assert team.prefill_tokens == CpuTeamDecoder.float_eager_from - 1
 
 
 def test_a_long_chunk_of_a_wide_ffn_runs_on_the_step():

@@ -420,6 +420,12 @@ def test_blas_modes():
     assert y.dtype == torch.float32 and not torch.equal(y, ref)
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
     assert torch.equal(short, lin(x[:4]))
+    with blas_mode("bf16", dense_from_rows=4):   # the step's threshold (16-bit float models: execute.py)
+        short_blas, three = lin(x[:4]), lin(x[:3])
+        assert quant.dense_from_rows() == 4
+    assert quant.dense_from_rows() == DENSE_FROM_ROWS
+    assert not torch.equal(short_blas, short) and (short_blas - short).abs().max() <= 2e-2 * short.abs().max()
+    assert torch.equal(three, lin(x[:3]))
     # "fp32-fixed": a row beside 32 to 300 others, packed and dense (a shape where one BLAS call per chunk gives
     # the row different bits from 129 rows on: this fails with "fp32")
     big = Linear.from_blocks(fmt, pack_blocks(fmt, *random_parts(fmt, 2048, 1024, seed=4)), 2048, 1024)

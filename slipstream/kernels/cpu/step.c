@@ -1372,9 +1372,37 @@ void ss_qt_dequant_bf16(int qtype, const uint8_t *w, int n0, int n1, int K, uint
         float *row = malloc(sizeof(float) * (size_t)K);
 #pragma omp for schedule(static)
         for (int n = n0; n < n1; n++) {
-            qt_dequant_row(qtype, w + n * row_bytes, K, row);
             uint16_t *o = out + (int64_t)(n - n0) * K;
-            for (int i = 0; i < K; i++) {
+            if (qtype == QT_BF16) {   // already bf16: the same bits
+                memcpy(o, w + n * row_bytes, sizeof(uint16_t) * (size_t)K);
+                continue;
+            }
+            int i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+            if (qtype == QT_F16) {   // fp16 -> fp32 is exact, then rounded as below, 8 or 16 at a time (qt_dequant_row's
+                                     // scalar loop was the eager bf16 step's largest cost on F16 files)
+                const uint16_t *h = (const uint16_t *)(w + n * row_bytes);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+                for (; i + 16 <= K; i += 16)   // vcvtneps2bf16: to nearest, ties to even; a NaN quieted, as below
+                    _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(
+                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i)))));
+#endif
+                const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), quiet = _mm256_set1_epi32(0x40);
+                const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+                for (; i + 8 <= K; i += 8) {
+                    const __m256i u = _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+                    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias),
+                                                                         _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+                    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absm), inf);
+                    const __m256i v = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet), nan);
+                    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+                    _mm_storeu_si128((__m128i *)(o + i), _mm256_castsi256_si128(p));
+                }
+                for (int j = i; j < K; j++) row[j] = qt_f16(w + n * row_bytes + 2 * j);
+            } else
+#endif
+                qt_dequant_row(qtype, w + n * row_bytes, K, row);
+            for (; i < K; i++) {
                 uint32_t u;
                 memcpy(&u, &row[i], 4);
                 o[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40)   // NaN stays NaN
