@@ -100,6 +100,15 @@ def code_share(model: Any) -> float:
     return coded / total if total else 0.0
 
 
+def half_float_share(model: Any) -> float:
+    """The share of a prompt row's multiply-adds (`_row_parts`) whose weights are 16-bit floats as a GGUF file
+    holds them (F16, BF16)."""
+    parts = _row_parts(model)
+    total = sum(macs for _, macs in parts)
+    half = sum(macs for p, macs in parts if p.packed and p.fmt in _FLOAT_FORMATS)
+    return half / total if total else 0.0
+
+
 def long_chunks_native(lib: Any, model: Any) -> bool:
     """Whether the fast path takes whole prompt chunks (`CpuTeamDecoder.prefill_tokens_long`) on the native step
     rather than the eager BLAS step, by what this CPU was measured to do faster (docs/BENCHMARKS.md):
@@ -251,11 +260,14 @@ class CpuTeamDecoder:
         if not self.exact and long_chunks_native(self.lib, model):
             self.prefill_tokens = self.prefill_tokens_long
         elif not self.exact and code_share(model) <= 1 - self.prefill_tile_share:
-            # 16-bit float weights (F16/BF16 files): the step runs their rows one at a time (~5-6 ms a prompt row
-            # for the default model's F16 file on the Sapphire Rapids Xeon), the eager BLAS step a chunk in ~45-70
-            # ms + ~1 ms a row (docs/BENCHMARKS.md): chunks from `float_eager_from` tokens on go there
-            self.prefill_tokens = self.float_eager_from - 1
-            self.eager_dense_from_rows = self.float_eager_from
+            # float weights: the step runs their rows one at a time (the default model's F16 file on the Sapphire
+            # Rapids Xeon: ~5-6 ms a prompt row; dense fp32 weights, an HF checkpoint, ~3 ms), the eager BLAS step a
+            # chunk in ~45-70 ms + ~1 ms a row (benchmarks/prompt_sizes.py, docs/BENCHMARKS.md): chunks from
+            # `float_eager_from` tokens on go there (from `dense_eager_from` for dense fp32 weights)
+            half = half_float_share(model) >= self.prefill_tile_share
+            start = self.float_eager_from if half else self.dense_eager_from
+            self.prefill_tokens = start - 1
+            self.eager_dense_from_rows = start
         # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
         # exact path row by row alike whatever the batch; the fast path in bf16 where AMX runs it
         bf16 = bool(self.lib.ss_amx_active()) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
@@ -388,6 +400,7 @@ class CpuTeamDecoder:
     prefill_tokens = 64
     prefill_tokens_long = 512
     float_eager_from = 16
+    dense_eager_from = 32
     prefill_tile_share = 0.9
 
     def _buffers(self, rows: int, out_rows: int) -> _Buffers:

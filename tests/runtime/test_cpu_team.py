@@ -18,7 +18,7 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime import cpu_plan
-from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, code_share, tile_share
+from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, code_share, half_float_share, tile_share
 from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
@@ -604,7 +604,7 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
     amx = bool(lib.ss_amx_active())
     x86 = lib.ss_isa().decode() in ("avx2", "avx2-vnni", "avx512", "avx512-vnni")
     for model, tiles_take_it, codes in ((q4k, True, True), (q6k, False, True), (mixed, False, True),
-                                        (f16, False, False)):
+                                        (f16, False, False)):   # (dense fp32 below)
         team = CpuTeamDecoder(model, model.new_kv_cache(16))
         native = tiles_take_it if amx else x86 and codes
         floats = CpuTeamDecoder.float_eager_from - 1   # 16-bit float weights: chunks from 16 tokens run eagerly
@@ -612,8 +612,9 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
         assert getattr(team, "eager_dense_from_rows", None) == (None if codes else floats + 1)
         exact = CpuTeamDecoder(model, model.new_kv_cache(16), exact=True)
         assert exact.prefill_tokens == 64 and not hasattr(exact, "eager_dense_from_rows")
-    team = CpuTeamDecoder(dense, dense.new_kv_cache(16))   # dense fp32 weights: the same as F16
-    assert team.prefill_tokens == CpuTeamDecoder.float_eager_from - 1
+    team = CpuTeamDecoder(dense, dense.new_kv_cache(16))   # dense fp32 weights: from 32 tokens
+    assert team.prefill_tokens == CpuTeamDecoder.dense_eager_from - 1 == team.eager_dense_from_rows - 1
+    assert half_float_share(f16) == 1.0 and half_float_share(dense) == half_float_share(q4k) == 0.0
 
 
 def test_a_long_chunk_of_a_wide_ffn_runs_on_the_step():
