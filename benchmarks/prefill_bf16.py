@@ -9,7 +9,7 @@ On one GGUF (the embedded default model unless --model is given), the held-aside
 * milliseconds per chunk, each way (median over the whole chunks, after a warm-up chunk).
 
 bf16 only pays where the CPU multiplies bf16 in hardware (AMX or AVX-512 BF16: oneDNN through torch); the
-runtime uses it only where AMX is active (`CpuTeamDecoder.eager_blas`).
+runtime uses it where `bf16_blas_fast` says so: AMX, or AVX-512 BF16 (`CpuTeamDecoder.eager_blas`).
 
     python benchmarks/prefill_bf16.py [--model FILE] [--chunk 512] [--json out.json]
 """

@@ -124,6 +124,17 @@ def long_chunks_native(lib: Any, model: Any) -> bool:
     return x86 and code_share(model) >= CpuTeamDecoder.prefill_tile_share
 
 
+def bf16_blas_fast(lib: Any) -> bool:
+    """Whether torch's CPU GEMM (oneDNN) multiplies bf16 in hardware here: AMX tiles, or AVX-512 BF16
+    (`vdpbf16ps`: Zen 4/5, Cooper Lake). There the fast path's eager prompt step runs in bf16 (~7x fp32's products
+    on AMX; F16/BF16 files' chunks 1.5-2.3x faster on the Zen 4 EPYC: docs/BENCHMARKS.md); elsewhere oneDNN would
+    emulate bf16, slower than fp32."""
+    if lib.ss_amx_active():
+        return True
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)   # torch's own CPUID reading
+    return bool(probe()) if probe is not None else False
+
+
 def tile_share(model: Any) -> float:
     """The share of a prompt row's multiply-adds (its layers' products: a prompt chunk computes the LM head for
     its output rows only) whose weights are in the 4- and 8-bit layouts the AMX tiles take (Q4_0, Q4_1, Q4_K,
@@ -257,21 +268,22 @@ class CpuTeamDecoder:
         self.kv = kv
         self.exact = bool(exact)
         self._vocab = int(model.embed.n)   # the embedding's rows: the native lookup trusts its token ids
+        # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
+        # exact path row by row alike whatever the batch; the fast path in bf16 where the CPU multiplies bf16
+        bf16 = bf16_blas_fast(self.lib) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
+        self.eager_blas = "fp32-fixed" if self.exact else "bf16" if bf16 else "fp32"
         if not self.exact and long_chunks_native(self.lib, model):
             self.prefill_tokens = self.prefill_tokens_long
         elif not self.exact and code_share(model) <= 1 - self.prefill_tile_share:
             # float weights: the step runs their rows one at a time (the default model's F16 file on the Sapphire
             # Rapids Xeon: ~5-6 ms a prompt row; dense fp32 weights, an HF checkpoint, ~3 ms), the eager BLAS step a
-            # chunk in ~45-70 ms + ~1 ms a row (benchmarks/prompt_sizes.py, docs/BENCHMARKS.md): chunks from
-            # `float_eager_from` tokens on go there (from `dense_eager_from` for dense fp32 weights)
-            half = half_float_share(model) >= self.prefill_tile_share
+            # chunk in ~45-70 ms + ~1 ms a row in bf16 (benchmarks/prompt_sizes.py, docs/BENCHMARKS.md): chunks from
+            # `float_eager_from` tokens on go there (from `dense_eager_from` for dense fp32 weights, and for
+            # F16/BF16 weights where the eager step multiplies in fp32: 1.5-2.3x slower than in bf16 on the Zen 4 EPYC)
+            half = half_float_share(model) >= self.prefill_tile_share and self.eager_blas == "bf16"
             start = self.float_eager_from if half else self.dense_eager_from
             self.prefill_tokens = start - 1
             self.eager_dense_from_rows = start
-        # how the eager prompt step (chunks longer than prefill_tokens) multiplies (weights.quant.blas_mode): the
-        # exact path row by row alike whatever the batch; the fast path in bf16 where AMX runs it
-        bf16 = bool(self.lib.ss_amx_active()) and os.environ.get("SLIPSTREAM_EAGER_BF16", "1") != "0"
-        self.eager_blas = "fp32-fixed" if self.exact else "bf16" if bf16 else "fp32"
         spin = [int(v) for v in os.environ.get("SLIPSTREAM_SPIN_US", "-1,-1").split(",")][:2]
         # threads of the team; microseconds a waiting thread spins before it sleeps (in a step, between steps)
         self.threads = self.lib.ss_team_configure(threads or default_threads(), *(spin + [-1, -1])[:2])

@@ -1,6 +1,7 @@
 """Prompts of a model with 16-bit float weights (an F16 GGUF file) on the fast path: the native step multiplies
 such weights one row at a time, so chunks from `CpuTeamDecoder.float_eager_from` tokens on run on the eager
-BLAS step (bf16 on AMX machines), shorter ones on the native step; a chunk's path is decided by its own length,
+BLAS step where it multiplies in bf16 (AMX, AVX-512 BF16), from `dense_eager_from` where in fp32, shorter ones on
+the native step; a chunk's path is decided by its own length,
 never by the chunks beside it. The exact path keeps its usual split."""
 import numpy as np
 import pytest
@@ -26,8 +27,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_float_weight_prompts_from_16_tokens_run_eagerly(f16_llm, monkeypatch):
     e = engine(f16_llm, prefill_chunk=512, exact=False, enable_prefix_cache=False)
     assert e.runtime.name == "native"
-    start = CpuTeamDecoder.float_eager_from
-    assert e.runtime.prefill_tokens == start - 1 and e.executor.dense_from_rows == start
+    bf16 = e.runtime.eager_blas == "bf16"
+    start = CpuTeamDecoder.float_eager_from if bf16 else CpuTeamDecoder.dense_eager_from
+    assert start <= 32 and e.runtime.prefill_tokens == start - 1 and e.executor.dense_from_rows == start
     seen, thresholds = [], []
     inner, forward = e.executor.prefill_batches, e.executor.model.forward
     monkeypatch.setattr(e.executor, "prefill_batches", lambda chunks: seen.append(inner(chunks)) or seen[-1])
@@ -57,7 +59,7 @@ def test_float_weight_prompts_from_16_tokens_run_eagerly(f16_llm, monkeypatch):
             eng.add_request(r)
         drain(eng, reqs)
         return reqs[0].output_ids
-    assert run([_prompt(40, 1), _prompt(24, 3)]) == run([_prompt(40, 1)]) == long.output_ids
+    assert run([_prompt(40, 1), _prompt(34, 3)]) == run([_prompt(40, 1)]) == long.output_ids
 
 
 def test_the_exact_path_keeps_its_split(f16_llm):

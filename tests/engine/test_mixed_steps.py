@@ -88,14 +88,16 @@ def test_long_prompt_chunks_on_the_native_step_where_it_is_faster(llm):
 
 def test_the_eager_prompt_step_multiplies_in_bf16_where_the_runtime_asks(llm, monkeypatch):
     """Prompt chunks longer than the native step takes run on the model's eager (BLAS) step; on AMX machines
-    the fast path runs it in bf16 (`CpuTeamDecoder.eager_blas`, weights.quant.blas_mode), the exact path
-    never (fp32, in fixed row blocks). Forced here on any CPU (torch multiplies bf16 everywhere, only slower without AMX)."""
+    the fast path runs it in bf16 where the CPU multiplies bf16 in hardware (AMX, AVX-512 BF16:
+    `CpuTeamDecoder.eager_blas`, weights.quant.blas_mode), the exact path never (fp32, in fixed row blocks).
+    Forced here on any CPU (torch multiplies bf16 everywhere, only slower without those units)."""
     from slipstream.kernels.cpu import load_library
+    from slipstream.runtime.cpu_team import bf16_blas_fast
     from slipstream.weights import quant
-    amx = bool(load_library().ss_amx_active())
+    hw = bf16_blas_fast(load_library())
     assert engine(llm, exact=True).runtime.eager_blas == "fp32-fixed"
     e = engine(llm, prefill_chunk=512, exact=False)
-    assert e.runtime.eager_blas == ("bf16" if amx else "fp32")
+    assert e.runtime.eager_blas == ("bf16" if hw else "fp32")
     monkeypatch.setattr(e.runtime, "prefill_tokens", 64)
     monkeypatch.setattr(e.runtime, "eager_blas", "bf16")
     seen = []

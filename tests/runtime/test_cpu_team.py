@@ -18,7 +18,14 @@ from slipstream.kv.blocks import SequenceKV
 from slipstream.models.llama import LlamaModel
 from slipstream.models.random_init import random_llama, shape_config
 from slipstream.runtime import cpu_plan
-from slipstream.runtime.cpu_team import CpuTeamDecoder, RopeTable, code_share, half_float_share, tile_share
+from slipstream.runtime.cpu_team import (
+    CpuTeamDecoder,
+    RopeTable,
+    bf16_blas_fast,
+    code_share,
+    half_float_share,
+    tile_share,
+)
 from slipstream.step import StepBuilder, decode_rows
 from slipstream.weights.quant import Q4_F32, Q8_0, Linear
 
@@ -570,7 +577,7 @@ def test_stacked_q4_k_rows_keep_their_compact_scales():
             assert torch.equal(stacked.kq[i], torch.cat([a.kq[i], b.kq[i]]))
 
 
-def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
+def test_long_prompt_chunks_come_to_the_step_where_it_is_faster(monkeypatch):
     """Whole 512-token prompt chunks run on the native step where it was measured faster than the eager BLAS
     step: on AMX machines where the tiles take the 4- and 8-bit layouts (a model of other types, a Q6_K file
     re-blocked, keeps 64-token chunks: the eager step runs it in bf16 on tiles); on x86 without AMX for every
@@ -602,12 +609,14 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
     assert code_share(f16) == code_share(dense) == 0.0
     lib = load_library()
     amx = bool(lib.ss_amx_active())
+    bf16 = bf16_blas_fast(lib)
     x86 = lib.ss_isa().decode() in ("avx2", "avx2-vnni", "avx512", "avx512-vnni")
     for model, tiles_take_it, codes in ((q4k, True, True), (q6k, False, True), (mixed, False, True),
                                         (f16, False, False)):   # (dense fp32 below)
         team = CpuTeamDecoder(model, model.new_kv_cache(16))
         native = tiles_take_it if amx else x86 and codes
-        floats = CpuTeamDecoder.float_eager_from - 1   # 16-bit float weights: chunks from 16 tokens run eagerly
+        # 16-bit float weights: chunks from 16 tokens run eagerly where that step multiplies bf16 in hardware, else 32
+        floats = (CpuTeamDecoder.float_eager_from if bf16 else CpuTeamDecoder.dense_eager_from) - 1
         assert team.prefill_tokens == (512 if native else 64 if codes else floats), (model is f16, amx, x86)
         assert getattr(team, "eager_dense_from_rows", None) == (None if codes else floats + 1)
         exact = CpuTeamDecoder(model, model.new_kv_cache(16), exact=True)
@@ -615,6 +624,10 @@ def test_long_prompt_chunks_come_to_the_step_where_it_is_faster():
     team = CpuTeamDecoder(dense, dense.new_kv_cache(16))   # dense fp32 weights: from 32 tokens
     assert team.prefill_tokens == CpuTeamDecoder.dense_eager_from - 1 == team.eager_dense_from_rows - 1
     assert half_float_share(f16) == 1.0 and half_float_share(dense) == half_float_share(q4k) == 0.0
+    assert team.eager_blas == ("bf16" if bf16 else "fp32")
+    monkeypatch.setenv("SLIPSTREAM_EAGER_BF16", "0")   # the eager step in fp32: F16 chunks from 32 tokens, as dense
+    team = CpuTeamDecoder(f16, f16.new_kv_cache(16))
+    assert team.eager_blas == "fp32" and team.eager_dense_from_rows == CpuTeamDecoder.dense_eager_from
 
 
 def test_a_long_chunk_of_a_wide_ffn_runs_on_the_step():
